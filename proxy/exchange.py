@@ -1,0 +1,124 @@
+"""One request's record: what happened, when, and the timings derived from it.
+
+Pure stdlib. Every observer reads the same record, so metrics, spans and the access log
+can never disagree about a request's TTFT or TPOT.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class Outcome(StrEnum):
+    """Closed vocabulary shared by the `outcome` label, span status and JSON error `type`."""
+
+    OK = "ok"
+    CLIENT_ERROR = "client_error"
+    RATE_LIMITED = "rate_limited"
+    UPSTREAM_ERROR = "upstream_error"
+    CONNECT_ERROR = "connect_error"
+    CONNECT_TIMEOUT = "connect_timeout"
+    TTFT_TIMEOUT = "ttft_timeout"
+    IDLE_TIMEOUT = "idle_timeout"
+    TOTAL_TIMEOUT = "total_timeout"
+    STREAM_INTERRUPTED = "stream_interrupted"
+    CLIENT_DISCONNECT = "client_disconnect"
+    REJECTED = "rejected"
+
+
+class TokenSource(StrEnum):
+    USAGE = "usage"  # the upstream's usage object
+    ESTIMATED = "estimated"  # counted output events; an event may carry several tokens
+
+
+@dataclass(slots=True, eq=False)
+class Exchange:
+    """Monotonic timestamps come from time.perf_counter(); only `started_unix_ns` is wall-clock."""
+
+    request_id: str
+    route: str
+    method: str
+    path: str
+    received_at: float = field(default_factory=time.perf_counter)
+    started_unix_ns: int = field(default_factory=time.time_ns)
+    model: str | None = None
+    stream: bool = False
+    params: dict[str, Any] = field(default_factory=dict)
+    prompt_chars: int = 0
+    upstream: str | None = None
+    upstream_url: str | None = None
+    # Headers of the next upstream attempt; observers may add to them in attempt_started
+    # (the tracing observer injects `traceparent` here).
+    upstream_headers: dict[str, str] = field(default_factory=dict)
+    attempts: int = 0
+    retries: int = 0
+    status_code: int | None = None
+    attempt_started_at: float | None = None
+    first_byte_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finished_at: float | None = None
+    output_events: int = 0
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    response_id: str | None = None
+    response_model: str | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+    outcome: Outcome | None = None
+    error_message: str | None = None
+    usage_injected: bool = False
+    # Per-request state for observers (a span, say), keyed by the observer's name.
+    scratch: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_at is None:
+            return None
+        return self.first_token_at - self.received_at
+
+    @property
+    def ttfb(self) -> float | None:
+        if self.first_byte_at is None:
+            return None
+        return self.first_byte_at - self.received_at
+
+    @property
+    def duration(self) -> float | None:
+        if self.finished_at is None:
+            return None
+        return self.finished_at - self.received_at
+
+    @property
+    def output_tokens(self) -> int:
+        """Usage from the upstream when it sent one, else the count of output events."""
+        if self.completion_tokens is not None:
+            return self.completion_tokens
+        return self.output_events
+
+    @property
+    def token_source(self) -> TokenSource:
+        return TokenSource.USAGE if self.completion_tokens is not None else TokenSource.ESTIMATED
+
+    @property
+    def tpot(self) -> float | None:
+        """(last output event - first output event) / (output tokens - 1)."""
+        if self.first_token_at is None or self.last_token_at is None:
+            return None
+        tokens = self.output_tokens
+        if tokens < 2:
+            return None
+        return (self.last_token_at - self.first_token_at) / (tokens - 1)
+
+    @property
+    def decode_time(self) -> float | None:
+        if self.first_token_at is None or self.last_token_at is None:
+            return None
+        return self.last_token_at - self.first_token_at
+
+    @property
+    def estimated_prompt_tokens(self) -> int:
+        """Prompt size at arrival, before the upstream reports usage: ~4 characters a token."""
+        return (self.prompt_chars + 3) // 4

@@ -1,0 +1,139 @@
+"""Observer hooks for one request's life, and their fan-out.
+
+Pure stdlib. A failing observer is logged and contained: it never breaks a stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from proxy.exchange import Exchange
+
+log = logging.getLogger("infertap.observer")
+
+HOOKS = (
+    "request_received",
+    "attempt_started",
+    "retry",
+    "first_byte",
+    "first_token",
+    "chunk",
+    "finished",
+    "failed",
+    "client_disconnected",
+)
+
+
+class Observer:
+    """Base class: every hook is a no-op. Hooks are synchronous and must be cheap."""
+
+    name = "observer"
+
+    def request_received(self, ex: Exchange) -> None:
+        pass
+
+    def attempt_started(self, ex: Exchange) -> None:
+        pass
+
+    def retry(self, ex: Exchange, reason: str, backoff: float) -> None:
+        pass
+
+    def first_byte(self, ex: Exchange) -> None:
+        pass
+
+    def first_token(self, ex: Exchange) -> None:
+        pass
+
+    def chunk(self, ex: Exchange, gap: float) -> None:
+        """A later output event, `gap` seconds after the previous one (the inter-token latency)."""
+
+    def finished(self, ex: Exchange) -> None:
+        pass
+
+    def failed(self, ex: Exchange) -> None:
+        pass
+
+    def client_disconnected(self, ex: Exchange) -> None:
+        pass
+
+    def close(self) -> None:
+        """Called once at shutdown."""
+
+
+def _safe(observer: Observer, hook: str) -> Callable[..., None]:
+    method: Callable[..., None] = getattr(observer, hook)
+
+    def call(*args: Any) -> None:
+        try:
+            method(*args)
+        except Exception:
+            log.exception("observer %s failed in %s; the request goes on", observer.name, hook)
+
+    return call
+
+
+class ObserverSet:
+    """Fans each hook out to the observers that implement it.
+
+    Per hook, only observers that override it are called, so a hook nobody cares about
+    (often `chunk`) costs one empty loop on the hot path.
+    """
+
+    def __init__(self, observers: Iterable[Observer] = ()) -> None:
+        self.observers = list(observers)
+        self._calls: dict[str, list[Callable[..., None]]] = {
+            hook: [
+                _safe(o, hook)
+                for o in self.observers
+                if getattr(type(o), hook) is not getattr(Observer, hook)
+            ]
+            for hook in HOOKS
+        }
+
+    def wants(self, hook: str) -> bool:
+        return bool(self._calls[hook])
+
+    def request_received(self, ex: Exchange) -> None:
+        for call in self._calls["request_received"]:
+            call(ex)
+
+    def attempt_started(self, ex: Exchange) -> None:
+        for call in self._calls["attempt_started"]:
+            call(ex)
+
+    def retry(self, ex: Exchange, reason: str, backoff: float) -> None:
+        for call in self._calls["retry"]:
+            call(ex, reason, backoff)
+
+    def first_byte(self, ex: Exchange) -> None:
+        for call in self._calls["first_byte"]:
+            call(ex)
+
+    def first_token(self, ex: Exchange) -> None:
+        for call in self._calls["first_token"]:
+            call(ex)
+
+    def chunk(self, ex: Exchange, gap: float) -> None:
+        for call in self._calls["chunk"]:
+            call(ex, gap)
+
+    def finished(self, ex: Exchange) -> None:
+        for call in self._calls["finished"]:
+            call(ex)
+
+    def failed(self, ex: Exchange) -> None:
+        for call in self._calls["failed"]:
+            call(ex)
+
+    def client_disconnected(self, ex: Exchange) -> None:
+        for call in self._calls["client_disconnected"]:
+            call(ex)
+
+    def close(self) -> None:
+        for o in self.observers:
+            try:
+                o.close()
+            except Exception:
+                log.exception("observer %s failed to close", o.name)

@@ -1,0 +1,181 @@
+"""Typed settings: defaults < config.toml < INFERTAP_* environment < command-line flags.
+
+Keys never live here: an upstream names the environment variable that holds its key.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Self
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+TAOTOKEN_BASE_URL = "https://taotoken.net/api"
+TAOTOKEN_HOST = "taotoken.net"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    workers: int = Field(default=1, ge=1, le=256)
+    max_body_bytes: int = Field(default=10 * 1024 * 1024, gt=0, description="larger bodies get 413")
+    log_level: str = "info"
+
+
+class TimeoutSettings(_Section):
+    """Seconds. Seed client defaults: connect 10 s, read 120 s."""
+
+    connect: float = Field(default=10.0, gt=0)
+    read: float = Field(default=120.0, gt=0, description="longest silence while reading the upstream")
+    write: float = Field(default=30.0, gt=0)
+    pool: float = Field(default=10.0, gt=0, description="longest wait for a free pooled connection")
+
+
+class RetrySettings(_Section):
+    """Seed client defaults: 3 attempts, 2 s backoff."""
+
+    max_attempts: int = Field(default=3, ge=1, le=20)
+    backoff_seconds: float = Field(default=2.0, ge=0)
+    max_backoff_seconds: float = Field(default=30.0, ge=0)
+
+
+class UpstreamSettings(_Section):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
+    base_url: str = Field(description="the OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
+    api_key_env: str | None = Field(default=None, description="NAME of the env variable holding the key")
+    models: list[str] = Field(default_factory=list, description="glob patterns routed here; first match wins")
+    default: bool = False
+    headers: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("base_url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"must be an http:// or https:// URL, got {v!r}")
+        return v.rstrip("/")
+
+    @field_validator("headers")
+    @classmethod
+    def _no_credentials(cls, v: dict[str, str]) -> dict[str, str]:
+        for name in v:
+            if name.lower() in ("authorization", "api-key", "x-api-key"):
+                raise ValueError(f"header {name!r} carries a credential: use api_key_env instead")
+        return v
+
+    @model_validator(mode="after")
+    def _taotoken_key(self) -> Self:
+        # TaoToken's one documented key variable, so `--upstream https://taotoken.net/api` just works.
+        if self.api_key_env is None and urlsplit(self.base_url).hostname == TAOTOKEN_HOST:
+            self.api_key_env = "TAOTOKEN_API_KEY"
+        return self
+
+    def api_key(self) -> str | None:
+        if not self.api_key_env:
+            return None
+        return os.environ.get(self.api_key_env) or None
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="INFERTAP_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        toml_file=None,
+    )
+
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    upstreams: list[UpstreamSettings] = Field(default_factory=list)
+    timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
+    retry: RetrySettings = Field(default_factory=RetrySettings)
+    sim_config: str | None = Field(
+        default=None, description="engine config.toml for the embedded simulated engine"
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Without the TOML source added here, `toml_file` would be silently ignored.
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> Self:
+        names = [u.name for u in self.upstreams]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"upstream names must be unique, repeated: {', '.join(dupes)}")
+        if sum(u.default for u in self.upstreams) > 1:
+            raise ValueError("at most one upstream may have default = true")
+        return self
+
+
+class ConfigError(Exception):
+    """A configuration problem, worded for the person who wrote the config."""
+
+
+def _format_validation(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration ({source}):"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (check its spelling and section)"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def load_settings(config: str | os.PathLike[str] | None = None, **overrides: Any) -> Settings:
+    """Load settings from `config` (or $INFERTAP_CONFIG), the environment and `overrides`.
+
+    Raises ConfigError with a message that names the field at fault.
+    """
+    path = config if config is not None else os.environ.get("INFERTAP_CONFIG")
+    source = "defaults and environment"
+    if path:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            with p.open("rb") as fh:
+                tomllib.load(fh)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p} is not valid TOML: {e}") from None
+    bound = type("Settings", (Settings,), {"model_config": {**Settings.model_config, "toml_file": path}})
+    try:
+        settings: Settings = bound(**overrides)
+    except ValidationError as e:
+        raise ConfigError(_format_validation(e, source)) from None
+    return settings
+
+
+def parse_upstream_flag(value: str) -> UpstreamSettings:
+    """`--upstream NAME=URL` or a bare URL (its name is then derived from the host)."""
+    name, sep, url = value.partition("=")
+    if not sep or "://" in name:
+        url = value
+        host = urlsplit(value).hostname or "upstream"
+        name = "taotoken" if host == TAOTOKEN_HOST else host
+    try:
+        return UpstreamSettings(name=name, base_url=url)
+    except ValidationError as e:
+        raise ConfigError(_format_validation(e, f"--upstream {value}")) from None

@@ -1,0 +1,172 @@
+"""Incremental scanner over a raw text/event-stream body.
+
+Pure: bytes in, bytes out. It finds event boundaries across arbitrary upstream chunks,
+tells which events carry output text, extracts the usage object, and can strip the
+usage-only chunk that infertap itself asked for. Byte searches decide almost everything;
+JSON is parsed only for the few events that need it (the first one, the usage one, and
+any that carries a finish reason).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+# An event carries output when a text field holds a non-empty string, or a tool call starts.
+# A literal `"content"` inside a JSON string is escaped (\"content\"), so it cannot match.
+_OUTPUT = re.compile(
+    rb'"(?:content|text|reasoning_content|reasoning|refusal)"\s*:\s*"(?!")'
+    rb'|"(?:tool_calls|function_call)"\s*:\s*[\[{]'
+)
+_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+_EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+_FINISH = re.compile(rb'"finish_reason"\s*:\s*"')
+_BOUNDARY = re.compile(rb"\r?\n\r?\n")
+_DATA_PREFIX = re.compile(rb"^data: ?", re.MULTILINE)
+
+
+def event_data(event: bytes) -> bytes:
+    """The joined `data:` field of one event (without the prefix)."""
+    lines = [ln for ln in event.splitlines() if ln.startswith(b"data:")]
+    if len(lines) == 1:
+        line = lines[0]
+        return line[6:] if line.startswith(b"data: ") else line[5:]
+    return b"\n".join(_DATA_PREFIX.sub(b"", ln) for ln in lines)
+
+
+def _last_boundary(buf: bytes) -> int:
+    """Index just past the last complete event in `buf`, or 0."""
+    lf = buf.rfind(b"\n\n")
+    crlf = buf.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+@dataclass(slots=True)
+class StreamFacts:
+    """What the scanner learnt from the events seen so far."""
+
+    done: bool = False
+    usage: dict[str, Any] | None = None
+    response_id: str | None = None
+    response_model: str | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+    error_events: int = 0
+    events: int = 0
+
+
+class SSEScanner:
+    """Feed it upstream chunks; it returns the bytes to forward and how many output events they hold.
+
+    Only complete events are forwarded: a client cannot act on half an event, and holding
+    the tail back is what makes stripping a whole event possible.
+    """
+
+    __slots__ = ("_tail", "_strip_usage_only", "facts")
+
+    def __init__(self, strip_usage_only: bool = False) -> None:
+        self._tail = b""
+        self._strip_usage_only = strip_usage_only
+        self.facts = StreamFacts()
+
+    def feed(self, chunk: bytes) -> tuple[bytes, int]:
+        if self._tail:
+            chunk = self._tail + chunk
+            self._tail = b""
+        end = _last_boundary(chunk)
+        if end == 0:
+            self._tail = chunk
+            return b"", 0
+        if end < len(chunk):
+            self._tail = chunk[end:]
+            chunk = chunk[:end]
+        first = _BOUNDARY.search(chunk)
+        if first is not None and first.end() == end:
+            # The common case: exactly one event in this chunk.
+            outputs, keep = self._inspect(chunk)
+            return (chunk if keep else b""), outputs
+        return self._feed_many(chunk)
+
+    def _feed_many(self, chunk: bytes) -> tuple[bytes, int]:
+        outputs = 0
+        start = 0
+        dropped: list[tuple[int, int]] = []
+        for m in _BOUNDARY.finditer(chunk):
+            n, keep = self._inspect(chunk[start : m.end()])
+            outputs += n
+            if not keep:
+                dropped.append((start, m.end()))
+            start = m.end()
+        if not dropped:
+            return chunk, outputs
+        parts = []
+        pos = 0
+        for a, b in dropped:
+            parts.append(chunk[pos:a])
+            pos = b
+        parts.append(chunk[pos:])
+        return b"".join(parts), outputs
+
+    def flush(self) -> bytes:
+        """Bytes left after the upstream's last complete event (an unterminated event)."""
+        tail, self._tail = self._tail, b""
+        return tail
+
+    def _inspect(self, event: bytes) -> tuple[int, bool]:
+        """(1 if the event carries output else 0, whether to forward it)."""
+        facts = self.facts
+        facts.events += 1
+        if _OUTPUT.search(event) is not None:
+            if (
+                facts.events == 1
+                or (b'"finish_reason"' in event and _FINISH.search(event) is not None)
+                or (b'"usage"' in event and _USAGE.search(event) is not None)
+            ):
+                self._parse(event)
+            return 1, True
+        if b"[DONE]" in event and event_data(event).strip() == b"[DONE]":
+            facts.done = True
+            return 0, True
+        if b'"error"' in event:
+            facts.error_events += 1
+            return 0, True
+        if b'"usage"' in event and _USAGE.search(event) is not None:
+            self._parse(event)
+            if self._strip_usage_only and _EMPTY_CHOICES.search(event) is not None:
+                return 0, False
+            return 0, True
+        if facts.events == 1 or (b'"finish_reason"' in event and _FINISH.search(event)):
+            self._parse(event)
+        return 0, True
+
+    def _parse(self, event: bytes) -> None:
+        try:
+            obj = orjson.loads(event_data(event))
+        except orjson.JSONDecodeError:
+            return
+        if isinstance(obj, dict):
+            absorb_response(self.facts, obj)
+
+
+def absorb_response(facts: StreamFacts, obj: dict[str, Any]) -> None:
+    """Take id, model, usage and finish reasons from a chunk or a whole (non-stream) response."""
+    if facts.response_id is None and isinstance(obj.get("id"), str):
+        facts.response_id = obj["id"]
+    if facts.response_model is None and isinstance(obj.get("model"), str):
+        facts.response_model = obj["model"]
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        facts.usage = usage
+    choices = obj.get("choices")
+    if isinstance(choices, list):
+        for choice in choices:
+            if isinstance(choice, dict) and isinstance(choice.get("finish_reason"), str):
+                facts.finish_reasons.append(choice["finish_reason"])
+
+
+def error_event(message: str, kind: str, code: str | None = None) -> bytes:
+    """An in-band SSE error event in the shape OpenAI uses, which its SDK raises on."""
+    body = {"error": {"message": message, "type": kind, "code": code or kind}}
+    return b"data: " + orjson.dumps(body) + b"\n\n"
