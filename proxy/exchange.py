@@ -70,6 +70,10 @@ class Exchange:
     outcome: Outcome | None = None
     error_message: str | None = None
     usage_injected: bool = False
+    # Incoming W3C trace context (traceparent, tracestate), for the tracing observer.
+    trace_context: dict[str, str] = field(default_factory=dict)
+    # Set by the tracing observer when a span is recorded; metrics attach it as an exemplar.
+    trace_id: str | None = None
     # Per-request state for observers (a span, say), keyed by the observer's name.
     scratch: dict[str, Any] = field(default_factory=dict)
 

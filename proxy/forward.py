@@ -204,6 +204,9 @@ class Forwarder:
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
         ex = Exchange(_request_id(scope), route, scope["method"], scope["path"])
+        for key, value in scope["headers"]:
+            if key == b"traceparent" or key == b"tracestate":
+                ex.trace_context[key.decode()] = value.decode("latin-1")
         rid = [(b"x-request-id", ex.request_id.encode())]
         try:
             body = await read_body(receive, self.max_body_bytes)

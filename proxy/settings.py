@@ -52,6 +52,17 @@ class RetrySettings(_Section):
     max_backoff_seconds: float = Field(default=30.0, ge=0)
 
 
+class TracingSettings(_Section):
+    """OpenTelemetry export. The standard OTEL_* variables work too and win over these."""
+
+    endpoint: str | None = Field(default=None, description="OTLP endpoint; tracing is off without one")
+    protocol: str = Field(default="http/protobuf", pattern=r"^(http/protobuf|grpc)$")
+    service_name: str = "infertap"
+    sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
+    capture_content: bool = Field(default=False, description="record prompts and completions (private!)")
+    content_max_chars: int = Field(default=4096, ge=0)
+
+
 class UpstreamSettings(_Section):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
     base_url: str = Field(description="the OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
@@ -101,6 +112,7 @@ class Settings(BaseSettings):
     upstreams: list[UpstreamSettings] = Field(default_factory=list)
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
     retry: RetrySettings = Field(default_factory=RetrySettings)
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
     sim_config: str | None = Field(
         default=None, description="engine config.toml for the embedded simulated engine"
     )
@@ -166,6 +178,15 @@ def load_settings(config: str | os.PathLike[str] | None = None, **overrides: Any
     except ValidationError as e:
         raise ConfigError(_format_validation(e, source)) from None
     return settings
+
+
+def with_upstreams(settings: Settings, upstreams: list[UpstreamSettings]) -> Settings:
+    """A copy of `settings` with these upstreams, validated as a whole."""
+    data = {**settings.model_dump(), "upstreams": [u.model_dump() for u in upstreams]}
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation(e, "upstreams")) from None
 
 
 def parse_upstream_flag(value: str) -> UpstreamSettings:

@@ -1,0 +1,204 @@
+"""create_app(): the ASGI application, its routes and the resources its lifespan owns.
+
+A plain ASGI dispatcher rather than a framework router: the proxied routes are the hot path,
+and two dict lookups are all the routing they need. No BaseHTTPMiddleware anywhere (it hides
+client disconnects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+
+from proxy import __version__
+from proxy.asgi import Receive, Scope, Send, error_body, send_error, send_json
+from proxy.forward import Forwarder, display_url
+from proxy.observer import Observer, ObserverSet
+from proxy.settings import Settings
+from proxy.upstream import RetryPolicy, Router, Upstream, describe, make_client
+
+log = logging.getLogger("infertap.app")
+
+# Proxied routes: path -> (route label, allowed method).
+PROXIED: dict[str, tuple[str, str]] = {
+    "/v1/chat/completions": ("chat.completions", "POST"),
+    "/v1/completions": ("completions", "POST"),
+    "/v1/embeddings": ("embeddings", "POST"),
+}
+_PROBE_TIMEOUT = httpx.Timeout(3.0)
+
+
+@dataclass(slots=True)
+class _Runtime:
+    client: httpx.AsyncClient
+    router: Router
+    forwarder: Forwarder
+
+
+Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class InfertapApp:
+    def __init__(self, settings: Settings, observers: Sequence[Observer] = ()) -> None:
+        self.settings = settings
+        self.observers = ObserverSet(observers)
+        self._runtime: _Runtime | None = None
+        self._plain: dict[tuple[str, str], Handler] = {
+            ("GET", "/healthz"): self._healthz,
+            ("GET", "/readyz"): self._readyz,
+            ("GET", "/v1/models"): self._models,
+        }
+
+    # -- lifespan ---------------------------------------------------------------------------
+    async def startup(self) -> None:
+        router = Router.from_settings(self.settings)
+        client = make_client(self.settings.timeouts)
+        forwarder = Forwarder(
+            router,
+            client,
+            self.observers,
+            RetryPolicy.from_settings(self.settings.retry),
+            self.settings.server.max_body_bytes,
+        )
+        self._runtime = _Runtime(client, router, forwarder)
+        for up in router.upstreams:
+            key = (
+                "no key"
+                if not up.api_key_env
+                else (f"key from ${up.api_key_env}" if up.api_key else f"${up.api_key_env} is NOT set")
+            )
+            models = ", ".join(up.models) if up.models else "(no patterns)"
+            default = " [default]" if up is router.default else ""
+            log.info(
+                "upstream %s%s: %s, models %s, %s", up.name, default, display_url(up.base_url), models, key
+            )
+
+    async def shutdown(self) -> None:
+        if self._runtime is not None:
+            await self._runtime.client.aclose()
+            self._runtime = None
+        self.observers.close()
+
+    @property
+    def runtime(self) -> _Runtime:
+        if self._runtime is None:
+            raise RuntimeError("the app has not started: run it under an ASGI server with lifespan on")
+        return self._runtime
+
+    # -- dispatch ---------------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        method: str = scope["method"]
+        proxied = PROXIED.get(path)
+        if proxied is not None:
+            route, allowed = proxied
+            if method != allowed:
+                await send_error(
+                    send,
+                    405,
+                    f"{path} accepts {allowed} only, not {method}",
+                    "invalid_request_error",
+                    "method_not_allowed",
+                )
+                return
+            await self.runtime.forwarder.handle(scope, receive, send, route)
+            return
+        handler = self._plain.get((method, path))
+        if handler is not None:
+            await handler(scope, receive, send)
+            return
+        if path.startswith("/v1/"):
+            await self.runtime.forwarder.handle(scope, receive, send, "other")
+            return
+        await send_error(
+            send,
+            404,
+            f"no route {method} {path}: infertap serves /v1/* (OpenAI API), /healthz, /readyz and /metrics",
+            "invalid_request_error",
+            "not_found",
+        )
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as e:
+                    log.exception("startup failed")
+                    await send({"type": "lifespan.startup.failed", "message": describe(e)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # -- plain endpoints --------------------------------------------------------------------
+    async def _healthz(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, orjson.dumps({"status": "ok", "version": __version__}))
+
+    async def _probe(self, up: Upstream) -> tuple[Upstream, httpx.Response | Exception]:
+        headers = dict(up.headers)
+        if up.api_key:
+            headers["authorization"] = f"Bearer {up.api_key}"
+        try:
+            resp = await self.runtime.client.get(up.url("/models"), headers=headers, timeout=_PROBE_TIMEOUT)
+        except httpx.HTTPError as e:
+            return up, e
+        return up, resp
+
+    async def _readyz(self, scope: Scope, receive: Receive, send: Send) -> None:
+        results = await asyncio.gather(*(self._probe(u) for u in self.runtime.router.upstreams))
+        report: dict[str, str] = {}
+        for up, res in results:
+            report[up.name] = (
+                f"unreachable: {describe(res)}"
+                if isinstance(res, Exception)
+                else (f"reachable (HTTP {res.status_code})")
+            )
+        ready = any(not isinstance(res, Exception) for _, res in results)
+        body = {"status": "ready" if ready else "not ready", "upstreams": report}
+        await send_json(send, 200 if ready else 503, orjson.dumps(body))
+
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        results = await asyncio.gather(*(self._probe(u) for u in self.runtime.router.upstreams))
+        data: list[dict[str, Any]] = []
+        failures: list[str] = []
+        for up, res in results:
+            if isinstance(res, Exception) or res.status_code != 200:
+                why = describe(res) if isinstance(res, Exception) else f"HTTP {res.status_code}"
+                failures.append(f"{up.name}: {why}")
+                continue
+            try:
+                listed = res.json().get("data", [])
+            except (ValueError, AttributeError):
+                failures.append(f"{up.name}: not an OpenAI model list")
+                continue
+            for model in listed:
+                if isinstance(model, dict):
+                    data.append({**model, "upstream": up.name})
+        if failures:
+            log.warning("model list incomplete: %s", "; ".join(failures))
+        if not data and failures:
+            msg = "no upstream answered the model list: " + "; ".join(failures)
+            await send_json(send, 502, error_body(msg, "upstream_error", "upstream_unreachable"))
+            return
+        await send_json(send, 200, orjson.dumps({"object": "list", "data": data}))
+
+
+def create_app(settings: Settings, observers: Sequence[Observer] = ()) -> InfertapApp:
+    return InfertapApp(settings, observers)

@@ -1,0 +1,166 @@
+"""`infertap serve`: load settings, pick upstreams (or start the embedded engine), run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+
+from proxy import __version__
+from proxy.app import InfertapApp, create_app
+from proxy.settings import (
+    TAOTOKEN_BASE_URL,
+    ConfigError,
+    Settings,
+    UpstreamSettings,
+    load_settings,
+    parse_upstream_flag,
+    with_upstreams,
+)
+
+log = logging.getLogger("infertap")
+
+_SETTINGS_ENV = "INFERTAP_SETTINGS_JSON"  # hands resolved settings to worker processes
+_SIM_READY = "infertap-sim listening on "
+
+EPILOG = """\
+examples:
+  infertap serve                                   # embedded simulated engine, no GPU or key needed
+  infertap serve --upstream http://127.0.0.1:8000/v1               # in front of a local vLLM
+  TAOTOKEN_API_KEY=sk-... infertap serve           # in front of TaoToken (https://taotoken.net/api)
+  infertap serve --config config.toml --workers 4
+
+Then point any OpenAI client at http://HOST:PORT/v1 (only base_url changes).
+Settings: defaults < config.toml (--config or $INFERTAP_CONFIG) < INFERTAP_* env (nested with __,
+e.g. INFERTAP_SERVER__PORT=9000) < flags. See config.example.toml.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="infertap serve",
+        description="Run the infertap proxy: an OpenAI-compatible endpoint that relays every request "
+        "to an upstream and measures TTFT, TPOT, tokens and failures.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, help="port to listen on (default 8080; 0 picks a free one)")
+    p.add_argument("--config", metavar="PATH", help="config.toml (default: $INFERTAP_CONFIG)")
+    p.add_argument(
+        "--upstream",
+        action="append",
+        default=[],
+        metavar="[NAME=]URL",
+        help="an upstream's OpenAI base URL, e.g. vllm=http://127.0.0.1:8000/v1 (repeatable; "
+        "replaces the config's upstreams; the first one is the default route)",
+    )
+    p.add_argument("--workers", type=int, help="worker processes (default 1)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
+    p.add_argument("--version", action="version", version=f"infertap {__version__}")
+    return p
+
+
+def resolve_settings(args: argparse.Namespace) -> Settings:
+    settings = load_settings(args.config)
+    if args.host is not None:
+        settings.server.host = args.host
+    if args.port is not None:
+        settings.server.port = args.port
+    if args.workers is not None:
+        if args.workers < 1:
+            raise ConfigError("--workers must be at least 1")
+        settings.server.workers = args.workers
+    if args.log_level is not None:
+        settings.server.log_level = args.log_level
+    if args.upstream:
+        ups = [parse_upstream_flag(v) for v in args.upstream]
+        settings = Settings.model_validate(
+            {**settings.model_dump(), "upstreams": [u.model_dump() for u in ups]}
+        )
+    if not settings.upstreams and os.environ.get("TAOTOKEN_API_KEY"):
+        base = os.environ.get("TAOTOKEN_BASE_URL") or TAOTOKEN_BASE_URL
+        settings.upstreams = [
+            UpstreamSettings(name="taotoken", base_url=base, api_key_env="TAOTOKEN_API_KEY")
+        ]
+        log.info("no upstream configured and TAOTOKEN_API_KEY is set: routing to TaoToken")
+    return settings
+
+
+@contextmanager
+def embedded_engine(settings: Settings) -> Iterator[str]:
+    """Start `infertap sim` as a child on a free loopback port; yield its base URL."""
+    cmd = [sys.executable, "-m", "proxy", "sim", "--host", "127.0.0.1", "--port", "0"]
+    if settings.sim_config:
+        cmd += ["--config", settings.sim_config]
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        if not line.startswith(_SIM_READY):
+            raise ConfigError(f"the embedded simulated engine did not start (exit {child.poll()}): {line!r}")
+        yield line[len(_SIM_READY) :].strip()
+    finally:
+        child.terminate()
+        try:
+            child.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            child.kill()
+
+
+def app_from_env() -> InfertapApp:
+    """uvicorn factory for worker processes: settings come resolved from the parent."""
+    settings = Settings.model_validate_json(os.environ[_SETTINGS_ENV])
+    return create_app(settings)
+
+
+def run(settings: Settings) -> None:
+    s = settings.server
+    common = dict(
+        host=s.host,
+        port=s.port,
+        log_level=s.log_level,
+        access_log=False,
+        lifespan="on",
+        loop="uvloop",
+        http="httptools",
+        server_header=False,
+        timeout_graceful_shutdown=5,
+    )
+    if s.workers == 1:
+        uvicorn.Server(uvicorn.Config(create_app(settings), **common)).run()  # type: ignore[arg-type]
+        return
+    os.environ[_SETTINGS_ENV] = settings.model_dump_json()
+    uvicorn.run("proxy.serve:app_from_env", factory=True, workers=s.workers, **common)  # type: ignore[arg-type]
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=(args.log_level or "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        settings = resolve_settings(args)
+        if settings.upstreams:
+            run(settings)
+            return 0
+        with embedded_engine(settings) as url:
+            log.info(
+                "no upstream configured: routing to the embedded simulated engine at %s "
+                "(configure [[upstreams]], --upstream or TAOTOKEN_API_KEY for a real one)",
+                url,
+            )
+            settings = with_upstreams(settings, [UpstreamSettings(name="sim", base_url=url)])
+            run(settings)
+        return 0
+    except ConfigError as e:
+        print(f"infertap: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,392 @@
+"""The simulated engine: a continuous-batching scheduler whose timing follows the seed's model.
+
+One asyncio task runs the whole engine. Each iteration is one "step" (a forward pass): it picks
+the work (a decode token for every running sequence, prefill chunks for new ones), sleeps for
+what that step would cost on a GPU (see SimSection), then hands every sequence its token. So
+TTFT grows with prompt length and with queueing, TPOT with the batch size (and, with the KV
+cache off, with context length), and hundreds of streams cost one timer per step, not per token.
+
+Requests with a fixed TTFT/TPOT (x-sim-* headers or [sim] fixed_*) skip the scheduler: one
+call_at timer per token, no queueing, no KV blocks. They exist so tests can control timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from proxy.sim.config import SimConfig
+from proxy.sim.kvcache import PrefixCache, block_hashes, blocks_for
+from proxy.sim.sampling import TextSource, derive_seed
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    prompt: list[str]  # prompt tokens
+    max_new: int  # tokens to generate at most (the natural length, capped by max_tokens)
+    final_reason: str  # finish_reason on reaching max_new: "stop" (ended by itself) or "length"
+    looping: bool = False
+    seed_key: object = None  # None: a fresh seed per request; else the same text for the same key
+    stop: tuple[str, ...] = ()
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop", "length" or "abort"
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    e2e: float
+    queue: float
+    prefill: float
+    decode: float
+
+
+class EngineStats(Protocol):
+    """What the engine reports; proxy.sim.metrics implements it, the engine never sees Prometheus."""
+
+    def first_token(self, seconds: float) -> None: ...
+    def inter_token(self, seconds: float) -> None: ...
+    def tokens(self, prompt: int, generation: int) -> None: ...
+    def prefix_cache(self, queries: int, hits: int) -> None: ...
+    def preempted(self) -> None: ...
+    def finished(self, reason: str, timing: RequestTiming | None) -> None: ...
+
+
+class NullStats:
+    def first_token(self, seconds: float) -> None: ...
+    def inter_token(self, seconds: float) -> None: ...
+    def tokens(self, prompt: int, generation: int) -> None: ...
+    def prefix_cache(self, queries: int, hits: int) -> None: ...
+    def preempted(self) -> None: ...
+    def finished(self, reason: str, timing: RequestTiming | None) -> None: ...
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    spec: RequestSpec
+    source: TextSource
+    hashes: list[int]
+    arrival: float
+    events: asyncio.Queue[str | Finished] = field(default_factory=asyncio.Queue)
+    state: State = State.WAITING
+    target: int = 0  # tokens to prefill before the next token can be sampled
+    computed: int = 0  # tokens whose K/V exist
+    blocks: int = 0
+    generated: int = 0
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    tail: str = ""  # end of the text so far, to find stop strings that span tokens
+    timer: asyncio.TimerHandle | None = None
+
+    @property
+    def decoding(self) -> bool:
+        return self.computed >= self.target
+
+
+class Engine:
+    def __init__(self, config: SimConfig, stats: EngineStats | None = None) -> None:
+        self.config = config
+        self.stats: EngineStats = stats or NullStats()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last one is preempted first
+        self.timed: set[Sequence] = set()
+        self.preemptions = 0
+        self._submitted = 0
+        self._kv = config.kv_cache.enable
+        self._prefix = PrefixCache(config.kv_cache.block_size, config.kv_cache.num_gpu_blocks)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # -- public ---------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + len(self.timed)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return sum(s.blocks for s in self.running) / self.config.kv_cache.num_gpu_blocks
+
+    def submit(self, spec: RequestSpec) -> Sequence:
+        self._submitted += 1
+        key = spec.seed_key if spec.seed_key is not None else ("request", self._submitted)
+        rng = random.Random(derive_seed(self.config.sim.seed, key))
+        hashes = block_hashes(spec.prompt, self.config.kv_cache.block_size) if self._kv else []
+        seq = Sequence(spec, TextSource(rng, looping=spec.looping), hashes, time.monotonic())
+        seq.target = len(spec.prompt)
+        fixed = self.config.sim
+        if spec.ttft_ms is not None or spec.tpot_ms is not None or fixed.fixed_ttft_ms is not None:
+            self._start_timed(seq)
+            return seq
+        if fixed.fixed_tpot_ms is not None:
+            self._start_timed(seq)
+            return seq
+        self.waiting.append(seq)
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="infertap-sim-engine")
+        self._wake.set()
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """The client went away: free the slot and blocks at once."""
+        if seq.state is State.FINISHED:
+            return
+        if seq.state is State.WAITING:
+            self.waiting.remove(seq)
+        self._release(seq)
+        self.stats.finished("abort", None)
+        self._wake.set()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for seq in [*self.waiting, *self.running, *self.timed]:
+            self.abort(seq)
+            seq.events.put_nowait(Finished("abort"))
+
+    # -- the scheduler ----------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            work, step_ms = self._plan()
+            if not work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await asyncio.sleep(step_ms / 1000)
+            self._commit(work)
+
+    def _plan(self) -> tuple[list[tuple[Sequence, int]], float]:
+        """Choose this step's work: (sequence, tokens to compute) pairs, and the step's cost."""
+        cfg = self.config
+        budget = cfg.batching.max_num_batched_tokens
+        prefill_left = cfg.prefill.max_prefill_tokens
+        total_blocks = cfg.kv_cache.num_gpu_blocks
+        work: list[tuple[Sequence, int]] = []
+        if not cfg.batching.enable_continuous_batching and not self.running:
+            # Static batching: a new batch forms only once the previous one has fully finished.
+            while self.waiting and len(self.running) < cfg.batching.max_num_seqs:
+                seq = self.waiting.popleft()
+                self._admit(seq, self._prefix_hits(seq))
+        used = sum(s.blocks for s in self.running)
+        preempted = False
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            i += 1
+            if seq.decoding:
+                n = 1 if budget > 0 else 0
+            else:
+                n = self._take(seq.target - seq.computed, budget, prefill_left, first=not work)
+            if n == 0:
+                continue
+            extra = self._blocks(seq.computed + n) - seq.blocks
+            while used + extra > total_blocks and seq.state is State.RUNNING:
+                victim = self.running[-1]  # the newest; vLLM's recompute preemption
+                used -= victim.blocks
+                self._preempt(victim)
+                preempted = True
+            if seq.state is not State.RUNNING:
+                break
+            seq.blocks += extra
+            used += extra
+            work.append((seq, n))
+            budget -= n
+            prefill_left -= 0 if seq.decoding else n
+        # As in vLLM, no new sequence starts in a step that had to preempt one.
+        while cfg.batching.enable_continuous_batching and not preempted and self.waiting:
+            if len(self.running) >= cfg.batching.max_num_seqs:
+                break
+            seq = self.waiting[0]
+            hits = self._prefix_hits(seq)
+            n = self._take(seq.target - hits, budget, prefill_left, first=prefill_left == cfg.prefill.max_prefill_tokens)
+            need = self._blocks(hits + n)
+            if n == 0 or used + need > total_blocks:
+                break
+            self.waiting.popleft()
+            self._admit(seq, hits)
+            seq.blocks = need
+            used += need
+            work.append((seq, n))
+            budget -= n
+            prefill_left -= n
+        return work, self._cost_ms(work)
+
+    def _cost_ms(self, work: list[tuple[Sequence, int]]) -> float:
+        sim = self.config.sim
+        decoding = [seq for seq, _ in work if seq.decoding]
+        prefill = sum(n for seq, n in work if not seq.decoding)
+        ms = 0.0
+        if decoding:
+            ms += sim.decode_step_ms + sim.decode_ms_per_running_seq * len(decoding)
+            if not self._kv:
+                ms += sim.no_kv_cache_ms_per_context_token * sum(s.computed + 1 for s in decoding)
+        if prefill:
+            ms += sim.prefill_base_ms + sim.prefill_ms_per_token * prefill
+        return ms
+
+    def _commit(self, work: list[tuple[Sequence, int]]) -> None:
+        now = time.monotonic()
+        generated = 0
+        for seq, n in work:
+            if seq.state is not State.RUNNING:  # aborted while the step ran
+                continue
+            was_decoding = seq.decoding
+            seq.computed += n
+            if not seq.decoding:
+                continue
+            if not was_decoding:
+                self._prefill_done(seq)
+            generated += self._emit(seq, now)
+        if generated:
+            self.stats.tokens(0, generated)
+
+    def _take(self, remaining: int, budget: int, prefill_left: int, *, first: bool) -> int:
+        """Prefill tokens a sequence may compute this step."""
+        if self.config.prefill.chunked_prefill:
+            return max(0, min(remaining, budget, prefill_left))
+        # Unchunked, a prompt is prefilled whole; the first one of a step always goes, so a
+        # prompt larger than the budget still runs (and stalls everyone else's decode).
+        return remaining if first or remaining <= min(budget, prefill_left) else 0
+
+    def _blocks(self, tokens: int) -> int:
+        return blocks_for(tokens, self.config.kv_cache.block_size) if self._kv else 0
+
+    def _prefix_hits(self, seq: Sequence) -> int:
+        return self._prefix.hit_tokens(seq.hashes, seq.target) if self._kv else 0
+
+    def _admit(self, seq: Sequence, hits: int) -> None:
+        seq.state = State.RUNNING
+        seq.computed = hits
+        if seq.scheduled_at is None:
+            seq.scheduled_at = time.monotonic()
+        self.running.append(seq)
+        if self._kv:
+            self._prefix.touch(seq.hashes, hits)
+            self.stats.prefix_cache(seq.target, hits)
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute preemption: the K/V are dropped; prompt and output so far are prefilled again.
+        self.running.remove(seq)
+        seq.state = State.WAITING
+        seq.computed = seq.blocks = 0
+        seq.target = len(seq.spec.prompt) + seq.generated
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+        self.stats.preempted()
+
+    def _prefill_done(self, seq: Sequence) -> None:
+        if self._kv:
+            self._prefix.insert(seq.hashes)
+        if seq.first_token_at is None and seq.generated == 0:
+            self.stats.tokens(len(seq.spec.prompt), 0)
+
+    # -- tokens out -----------------------------------------------------------------------------
+
+    def _emit(self, seq: Sequence, now: float) -> int:
+        """Sample one token into the sequence's stream; returns the tokens generated (0 or 1)."""
+        spec = seq.spec
+        if seq.generated >= spec.max_new:
+            self._finish(seq, spec.final_reason, now)
+            return 0
+        text = seq.source.next()
+        seq.generated += 1
+        if seq.last_token_at is None:
+            seq.first_token_at = now
+            self.stats.first_token(now - seq.arrival)
+        else:
+            self.stats.inter_token(now - seq.last_token_at)
+        seq.last_token_at = now
+        if spec.stop:
+            window = seq.tail + text
+            found = [i for i in (window.find(s) for s in spec.stop) if i >= 0]
+            if found:
+                piece = window[len(seq.tail) : min(found)]
+                if piece:
+                    seq.events.put_nowait(piece)
+                self._finish(seq, "stop", now)
+                return 1
+            keep = max(len(s) for s in spec.stop) - 1
+            seq.tail = window[-keep:] if keep else ""
+        seq.events.put_nowait(text)
+        if seq.generated >= spec.max_new:
+            self._finish(seq, spec.final_reason, now)
+        return 1
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        self._release(seq)
+        seq.events.put_nowait(Finished(reason))
+        scheduled = seq.scheduled_at if seq.scheduled_at is not None else seq.arrival
+        first = seq.first_token_at if seq.first_token_at is not None else now
+        last = seq.last_token_at if seq.last_token_at is not None else now
+        self.stats.finished(
+            reason, RequestTiming(now - seq.arrival, scheduled - seq.arrival, first - scheduled, last - first)
+        )
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.state is State.RUNNING:
+            if seq in self.timed:
+                self.timed.discard(seq)
+            else:
+                self.running.remove(seq)
+        if seq.timer is not None:
+            seq.timer.cancel()
+        seq.state = State.FINISHED
+        seq.blocks = 0
+
+    # -- the fixed-timing lane ------------------------------------------------------------------
+
+    def _start_timed(self, seq: Sequence) -> None:
+        sim = self.config.sim
+        seq.state = State.RUNNING
+        seq.scheduled_at = seq.arrival
+        self.timed.add(seq)
+        ttft = seq.spec.ttft_ms if seq.spec.ttft_ms is not None else sim.fixed_ttft_ms
+        if ttft is None:
+            ttft = sim.prefill_base_ms + sim.prefill_ms_per_token * len(seq.spec.prompt)
+        loop = asyncio.get_running_loop()
+        origin = loop.time() + ttft / 1000
+        seq.timer = loop.call_at(origin, self._timed_tick, seq, origin)
+
+    def _timed_tick(self, seq: Sequence, due: float) -> None:
+        if seq.state is not State.RUNNING:
+            return
+        if seq.generated == 0:
+            seq.computed = seq.target
+            self._prefill_done(seq)
+        generated = self._emit(seq, time.monotonic())
+        if generated:
+            self.stats.tokens(0, generated)
+        if seq.state is State.RUNNING:
+            sim = self.config.sim
+            tpot = seq.spec.tpot_ms if seq.spec.tpot_ms is not None else sim.fixed_tpot_ms
+            if tpot is None:
+                tpot = sim.decode_step_ms + sim.decode_ms_per_running_seq
+                if not self._kv:
+                    tpot += sim.no_kv_cache_ms_per_context_token * (len(seq.spec.prompt) + seq.generated)
+            due += tpot / 1000
+            seq.timer = asyncio.get_running_loop().call_at(due, self._timed_tick, seq, due)

@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import uvicorn
+
+from proxy.app import create_app
+from proxy.exchange import Exchange
+from proxy.observer import HOOKS, Observer
+from proxy.settings import Settings, UpstreamSettings
+from tests.fake_upstream import FakeUpstream
+
+
+@contextmanager
+def serve_in_thread(app: Any) -> Iterator[str]:
+    """Run `app` under a real uvicorn on 127.0.0.1 with an OS-chosen port; yield its base URL."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
+                            loop="asyncio", http="httptools", access_log=False,
+                            timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started or not thread.is_alive(), what="server start")
+    assert server.started, "server failed to start"
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll `cond` until true; fail after `timeout` seconds (a deadline, not a sleep that passes)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+class RecordingObserver(Observer):
+    """Records every hook with the request id, to check order and exactly-once rules."""
+
+    name = "recording"
+    TERMINAL = ("finished", "failed", "client_disconnected")
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+        self.exchanges: dict[str, Exchange] = {}
+        self.lock = threading.Lock()
+
+    def _rec(self, hook: str, ex: Exchange) -> None:
+        with self.lock:
+            self.events.append((hook, ex.request_id))
+            self.exchanges[ex.request_id] = ex
+
+    def hooks_for(self, rid: str) -> list[str]:
+        with self.lock:
+            return [h for h, r in self.events if r == rid]
+
+    def terminal_count(self, rid: str) -> int:
+        return sum(h in self.TERMINAL for h in self.hooks_for(rid))
+
+    def wait_terminal(self, rid: str, timeout: float = 10.0) -> Exchange:
+        wait_until(lambda: self.terminal_count(rid) >= 1, timeout, f"terminal hook of {rid}")
+        return self.exchanges[rid]
+
+
+def _make_hook(hook: str) -> Callable[..., None]:
+    def method(self: RecordingObserver, ex: Exchange, *args: Any) -> None:
+        self._rec(hook, ex)
+
+    return method
+
+
+for _hook in HOOKS:
+    setattr(RecordingObserver, _hook, _make_hook(_hook))
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[FakeUpstream, str]]:
+    upstream = FakeUpstream()
+    with serve_in_thread(upstream) as url:
+        yield upstream, url + "/v1"
+
+
+def make_settings(*upstreams: tuple[str, str], **extra: Any) -> Settings:
+    ups = [UpstreamSettings(name=n, base_url=u) for n, u in upstreams]
+    return Settings(upstreams=ups, **extra)
+
+
+@contextmanager
+def run_proxy(settings: Settings, *observers: Observer) -> Iterator[str]:
+    with serve_in_thread(create_app(settings, observers)) as url:
+        yield url

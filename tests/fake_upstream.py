@@ -1,0 +1,175 @@
+"""A scriptable OpenAI-compatible upstream for tests, driven by request headers.
+
+The client sets `x-fake-*` headers (infertap forwards them), so each test scripts its own
+upstream behaviour while the same server instance records what it received and sent.
+
+  x-fake-events: N          content events in a stream (default 5)
+  x-fake-gap-ms: G          gap between content events
+  x-fake-ttft-ms: T         delay before the first content event (the role chunk goes at once)
+  x-fake-status: S          answer status S with an OpenAI-style error body
+  x-fake-hang: WHERE        never go on: before-headers | after-role | after-first
+  x-fake-no-done: 1         end the stream without `data: [DONE]`
+  x-fake-cut: K             drop the connection after K content events
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.asgi import Receive, Scope, Send
+
+
+@dataclass
+class Received:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def _chunk(cid: str, model: str, delta: dict[str, Any], finish: str | None = None,
+           usage: bool = False) -> bytes:
+    obj: dict[str, Any] = {
+        "id": cid, "object": "chat.completion.chunk", "created": 1700000000, "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
+    if usage:
+        obj["usage"] = None
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+@dataclass
+class FakeUpstream:
+    requests: list[Received] = field(default_factory=list)
+    sent: dict[str, bytes] = field(default_factory=dict)  # x-request-id -> bytes streamed
+    disconnected: threading.Event = field(default_factory=threading.Event)
+    send_times: dict[str, list[float]] = field(default_factory=dict)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        rec = Received(scope["method"], scope["path"], headers, body)
+        self.requests.append(rec)
+
+        task = asyncio.current_task()
+        assert task is not None
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            self.disconnected.set()
+            task.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await self._answer(rec, send)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+        finally:
+            watcher.cancel()
+
+    async def _answer(self, rec: Received, send: Send) -> None:
+        h = rec.headers
+        if h.get("x-fake-hang") == "before-headers":
+            await asyncio.Event().wait()
+        status = int(h.get("x-fake-status", "200"))
+        if rec.path.endswith("/models"):
+            await _json(send, 200, {"object": "list", "data": [{"id": "fake-model", "object": "model",
+                                                                  "owned_by": "fake"}]})
+            return
+        if status != 200:
+            await _json(send, status, {"error": {"message": f"fake error {status}", "type": "fake",
+                                                 "code": status}})
+            return
+        req = rec.json() if rec.body else {}
+        if rec.path.endswith("/embeddings"):
+            await _json(send, 200, {"object": "list", "model": req.get("model"),
+                                    "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
+                                    "usage": {"prompt_tokens": 3, "total_tokens": 3}})
+            return
+        n = int(h.get("x-fake-events", "5"))
+        model = req.get("model", "fake-model")
+        if not req.get("stream"):
+            await _json(send, 200, {
+                "id": "cmpl-fake", "object": "chat.completion", "created": 1700000000, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "tok " * n},
+                             "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}})
+            return
+        await self._stream(rec, req, send, n, model)
+
+    async def _stream(self, rec: Received, req: dict[str, Any], send: Send, n: int, model: str) -> None:
+        h = rec.headers
+        rid = h.get("x-request-id", "")
+        gap = float(h.get("x-fake-gap-ms", "0")) / 1000
+        ttft = float(h.get("x-fake-ttft-ms", "0")) / 1000
+        cut = int(h["x-fake-cut"]) if "x-fake-cut" in h else None
+        hang = h.get("x-fake-hang")
+        usage = bool((req.get("stream_options") or {}).get("include_usage"))
+        sent = bytearray()
+        times: list[float] = []
+        self.sent[rid] = b""
+        self.send_times[rid] = times
+
+        async def emit(data: bytes) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+            sent.extend(data)
+            times.append(time.perf_counter())
+            self.sent[rid] = bytes(sent)
+
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        await emit(_chunk("chatcmpl-fake", model, {"role": "assistant", "content": ""}, usage=usage))
+        if hang == "after-role":
+            await asyncio.Event().wait()
+        if ttft:
+            await asyncio.sleep(ttft)
+        for i in range(n):
+            if i and gap:
+                await asyncio.sleep(gap)
+            if cut is not None and i == cut:
+                raise ConnectionAbortedError("fake upstream cuts the stream")
+            await emit(_chunk("chatcmpl-fake", model, {"content": f"tok{i} "}, usage=usage))
+            if hang == "after-first":
+                await asyncio.Event().wait()
+        await emit(_chunk("chatcmpl-fake", model, {}, finish="stop", usage=usage))
+        if usage:
+            obj = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1700000000,
+                   "model": model, "choices": [],
+                   "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}}
+            await emit(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+        if h.get("x-fake-no-done") != "1":
+            await emit(b"data: [DONE]\n\n")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _json(send: Send, status: int, obj: Any) -> None:
+    data = json.dumps(obj).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": data, "more_body": False})
