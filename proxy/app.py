@@ -17,8 +17,10 @@ import httpx
 import orjson
 
 from proxy import __version__
-from proxy.asgi import Receive, Scope, Send, error_body, send_error, send_json
+from proxy.accesslog import AccessLog
+from proxy.asgi import Receive, Scope, Send, error_body, header, send_error, send_json
 from proxy.forward import Forwarder, display_url
+from proxy.metrics import CollectorRegistry, Metrics
 from proxy.observer import Observer, ObserverSet
 from proxy.settings import Settings
 from proxy.upstream import RetryPolicy, Router, Upstream, describe, make_client
@@ -45,8 +47,9 @@ Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class InfertapApp:
-    def __init__(self, settings: Settings, observers: Sequence[Observer] = ()) -> None:
+    def __init__(self, settings: Settings, observers: Sequence[Observer], metrics: Metrics | None) -> None:
         self.settings = settings
+        self.metrics = metrics
         self.observers = ObserverSet(observers)
         self._runtime: _Runtime | None = None
         self._plain: dict[tuple[str, str], Handler] = {
@@ -54,6 +57,8 @@ class InfertapApp:
             ("GET", "/readyz"): self._readyz,
             ("GET", "/v1/models"): self._models,
         }
+        if metrics is not None:
+            self._plain[("GET", "/metrics")] = self._metrics
 
     # -- lifespan ---------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -65,6 +70,7 @@ class InfertapApp:
             self.observers,
             RetryPolicy.from_settings(self.settings.retry),
             self.settings.server.max_body_bytes,
+            tuple(self.settings.metrics.prompt_class_bounds),
         )
         self._runtime = _Runtime(client, router, forwarder)
         for up in router.upstreams:
@@ -151,6 +157,21 @@ class InfertapApp:
     async def _healthz(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_json(send, 200, orjson.dumps({"status": "ok", "version": __version__}))
 
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        assert self.metrics is not None
+        body, content_type = self.metrics.render(header(scope, b"accept"))
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", content_type.encode()),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
     async def _probe(self, up: Upstream) -> tuple[Upstream, httpx.Response | Exception]:
         headers = dict(up.headers)
         if up.api_key:
@@ -200,5 +221,27 @@ class InfertapApp:
         await send_json(send, 200, orjson.dumps({"object": "list", "data": data}))
 
 
-def create_app(settings: Settings, observers: Sequence[Observer] = ()) -> InfertapApp:
-    return InfertapApp(settings, observers)
+def create_app(
+    settings: Settings,
+    observers: Sequence[Observer] = (),
+    *,
+    registry: CollectorRegistry | None = None,
+    metrics: bool = True,
+) -> InfertapApp:
+    """The proxy app. Observers run in order: tracing (it sets the trace id that metrics use as
+    an exemplar), metrics, the access log, then `observers`."""
+    chain: list[Observer] = []
+    try:  # TODO(lead): plain import once proxy/tracing.py lands
+        from proxy.tracing import build_tracing  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        build_tracing = None
+    tracer = build_tracing(settings) if build_tracing is not None else None
+    if tracer is not None:
+        chain.append(tracer)
+    collector = Metrics(settings, registry) if metrics else None
+    if collector is not None:
+        chain.append(collector)
+    if settings.metrics.access_log:
+        chain.append(AccessLog(settings.metrics.access_log_format))
+    chain.extend(observers)
+    return InfertapApp(settings, chain, collector)

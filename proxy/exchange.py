@@ -29,6 +29,23 @@ class Outcome(StrEnum):
     REJECTED = "rejected"
 
 
+def prompt_class(tokens: int, bounds: tuple[int, ...] = (1024, 4096, 16384)) -> str:
+    """A bounded size class of the prompt: `<1k`, `1k-4k`, `4k-16k`, `>16k` with the default bounds.
+
+    TTFT grows with the prompt, so comparing TTFT within a class tells a regression apart
+    from prompts merely getting longer.
+    """
+    names = [_short(b) for b in bounds]
+    for i, bound in enumerate(bounds):
+        if tokens < bound:
+            return f"<{names[0]}" if i == 0 else f"{names[i - 1]}-{names[i]}"
+    return f">{names[-1]}"
+
+
+def _short(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
 class TokenSource(StrEnum):
     USAGE = "usage"  # the upstream's usage object
     ESTIMATED = "estimated"  # counted output events; an event may carry several tokens
@@ -48,6 +65,7 @@ class Exchange:
     stream: bool = False
     params: dict[str, Any] = field(default_factory=dict)
     prompt_chars: int = 0
+    prompt_class: str = ""
     upstream: str | None = None
     upstream_url: str | None = None
     # Headers of the next upstream attempt; observers may add to them in attempt_started

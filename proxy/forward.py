@@ -28,7 +28,7 @@ from proxy.asgi import (
     read_body,
     send_error,
 )
-from proxy.exchange import Exchange, Outcome
+from proxy.exchange import Exchange, Outcome, prompt_class
 from proxy.observer import ObserverSet
 from proxy.sse import SSEScanner, StreamFacts, absorb_response, error_event
 from proxy.upstream import RETRYABLE_STATUS, ErrorKind, RetryPolicy, Router, Upstream, classify, describe
@@ -193,12 +193,14 @@ class Forwarder:
         observers: ObserverSet,
         retry: RetryPolicy,
         max_body_bytes: int,
+        prompt_class_bounds: tuple[int, ...] = (1024, 4096, 16384),
     ) -> None:
         self.router = router
         self.client = client
         self.observers = observers
         self.retry = retry
         self.max_body_bytes = max_body_bytes
+        self.prompt_class_bounds = prompt_class_bounds
         # Upstreams that answered 400 to stream_options: infertap stops injecting it there.
         self.no_stream_options: set[str] = set()
 
@@ -230,6 +232,7 @@ class Forwarder:
             ex.model = obj["model"]
             ex.stream = obj.get("stream") is True
             ex.prompt_chars = _prompt_chars(obj)
+            ex.prompt_class = prompt_class(ex.estimated_prompt_tokens, self.prompt_class_bounds)
             ex.params = {
                 k: obj[k] for k in ("max_tokens", "max_completion_tokens", "temperature", "top_p") if k in obj
             }

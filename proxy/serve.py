@@ -5,15 +5,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from proxy import __version__
-from proxy.app import InfertapApp, create_app
 from proxy.settings import (
     TAOTOKEN_BASE_URL,
     ConfigError,
@@ -23,6 +25,9 @@ from proxy.settings import (
     parse_upstream_flag,
     with_upstreams,
 )
+
+if TYPE_CHECKING:
+    from proxy.app import InfertapApp
 
 log = logging.getLogger("infertap")
 
@@ -116,8 +121,30 @@ def embedded_engine(settings: Settings) -> Iterator[str]:
 
 def app_from_env() -> InfertapApp:
     """uvicorn factory for worker processes: settings come resolved from the parent."""
+    from proxy.app import create_app
+
     settings = Settings.model_validate_json(os.environ[_SETTINGS_ENV])
     return create_app(settings)
+
+
+@contextmanager
+def multiprocess_metrics() -> Iterator[str]:
+    """A metrics directory for this instance alone, empty at start and removed at exit.
+
+    It must be set before prometheus_client is imported (its value class is chosen then). A
+    directory shared by two instances would mix their samples, so it is never reused.
+    """
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    path = given or tempfile.mkdtemp(prefix="infertap-metrics-")
+    if given:
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    try:
+        yield path
+    finally:
+        if not given:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def run(settings: Settings) -> None:
@@ -134,10 +161,14 @@ def run(settings: Settings) -> None:
         timeout_graceful_shutdown=5,
     )
     if s.workers == 1:
+        from proxy.app import create_app
+
         uvicorn.Server(uvicorn.Config(create_app(settings), **common)).run()  # type: ignore[arg-type]
         return
     os.environ[_SETTINGS_ENV] = settings.model_dump_json()
-    uvicorn.run("proxy.serve:app_from_env", factory=True, workers=s.workers, **common)  # type: ignore[arg-type]
+    with multiprocess_metrics() as path:
+        log.info("%d workers; metrics aggregated through %s", s.workers, path)
+        uvicorn.run("proxy.serve:app_from_env", factory=True, workers=s.workers, **common)  # type: ignore[arg-type]
 
 
 def main(argv: list[str]) -> int:

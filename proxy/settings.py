@@ -52,6 +52,31 @@ class RetrySettings(_Section):
     max_backoff_seconds: float = Field(default=30.0, ge=0)
 
 
+class MetricsSettings(_Section):
+    """Prometheus metrics and the access log. Buckets are in seconds; None keeps the defaults."""
+
+    models: list[str] | None = Field(
+        default=None,
+        description="glob allow-list for the `model` label (default: the upstreams' model patterns)",
+    )
+    max_models: int = Field(default=100, ge=1, description="distinct model label values; the rest is 'other'")
+    prompt_class_bounds: list[int] = Field(default=[1024, 4096, 16384], min_length=1)
+    ttft_buckets: list[float] | None = None
+    itl_buckets: list[float] | None = None
+    tpot_buckets: list[float] | None = None
+    duration_buckets: list[float] | None = None
+    exemplars: bool = True
+    access_log: bool = True
+    access_log_format: str = Field(default="json", pattern=r"^(json|logfmt)$")
+
+    @field_validator("prompt_class_bounds", "ttft_buckets", "itl_buckets", "tpot_buckets", "duration_buckets")
+    @classmethod
+    def _increasing(cls, v: list[Any] | None) -> list[Any] | None:
+        if v is not None and any(b <= a for a, b in zip(v, v[1:], strict=False)):
+            raise ValueError("must be strictly increasing")
+        return v
+
+
 class TracingSettings(_Section):
     """OpenTelemetry export. The standard OTEL_* variables work too and win over these."""
 
@@ -112,6 +137,7 @@ class Settings(BaseSettings):
     upstreams: list[UpstreamSettings] = Field(default_factory=list)
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
     retry: RetrySettings = Field(default_factory=RetrySettings)
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
     sim_config: str | None = Field(
         default=None, description="engine config.toml for the embedded simulated engine"

@@ -14,90 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
+import logging
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from proxy.sim.config import SimConfig
 from proxy.sim.kvcache import PrefixCache, block_hashes, blocks_for
 from proxy.sim.sampling import TextSource, derive_seed
+from proxy.sim.sequence import EngineStats, Finished, NullStats, RequestSpec, RequestTiming, Sequence, State
 
-
-@dataclass(frozen=True)
-class RequestSpec:
-    prompt: list[str]  # prompt tokens
-    max_new: int  # tokens to generate at most (the natural length, capped by max_tokens)
-    final_reason: str  # finish_reason on reaching max_new: "stop" (ended by itself) or "length"
-    looping: bool = False
-    seed_key: object = None  # None: a fresh seed per request; else the same text for the same key
-    stop: tuple[str, ...] = ()
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
-
-
-@dataclass(frozen=True)
-class Finished:
-    reason: str  # "stop", "length" or "abort"
-
-
-@dataclass(frozen=True)
-class RequestTiming:
-    e2e: float
-    queue: float
-    prefill: float
-    decode: float
-
-
-class EngineStats(Protocol):
-    """What the engine reports; proxy.sim.metrics implements it, the engine never sees Prometheus."""
-
-    def first_token(self, seconds: float) -> None: ...
-    def inter_token(self, seconds: float) -> None: ...
-    def tokens(self, prompt: int, generation: int) -> None: ...
-    def prefix_cache(self, queries: int, hits: int) -> None: ...
-    def preempted(self) -> None: ...
-    def finished(self, reason: str, timing: RequestTiming | None) -> None: ...
-
-
-class NullStats:
-    def first_token(self, seconds: float) -> None: ...
-    def inter_token(self, seconds: float) -> None: ...
-    def tokens(self, prompt: int, generation: int) -> None: ...
-    def prefix_cache(self, queries: int, hits: int) -> None: ...
-    def preempted(self) -> None: ...
-    def finished(self, reason: str, timing: RequestTiming | None) -> None: ...
-
-
-class State(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class Sequence:
-    spec: RequestSpec
-    source: TextSource
-    hashes: list[int]
-    arrival: float
-    events: asyncio.Queue[str | Finished] = field(default_factory=asyncio.Queue)
-    state: State = State.WAITING
-    target: int = 0  # tokens to prefill before the next token can be sampled
-    computed: int = 0  # tokens whose K/V exist
-    blocks: int = 0
-    generated: int = 0
-    scheduled_at: float | None = None
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    tail: str = ""  # end of the text so far, to find stop strings that span tokens
-    timer: asyncio.TimerHandle | None = None
-
-    @property
-    def decoding(self) -> bool:
-        return self.computed >= self.target
+log = logging.getLogger("infertap.sim")
 
 
 class Engine:
@@ -135,15 +62,12 @@ class Engine:
         hashes = block_hashes(spec.prompt, self.config.kv_cache.block_size) if self._kv else []
         seq = Sequence(spec, TextSource(rng, looping=spec.looping), hashes, time.monotonic())
         seq.target = len(spec.prompt)
-        fixed = self.config.sim
-        if spec.ttft_ms is not None or spec.tpot_ms is not None or fixed.fixed_ttft_ms is not None:
-            self._start_timed(seq)
-            return seq
-        if fixed.fixed_tpot_ms is not None:
+        sim = self.config.sim
+        if any(v is not None for v in (spec.ttft_ms, spec.tpot_ms, sim.fixed_ttft_ms, sim.fixed_tpot_ms)):
             self._start_timed(seq)
             return seq
         self.waiting.append(seq)
-        if self._task is None:
+        if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="infertap-sim-engine")
         self._wake.set()
         return seq
@@ -171,14 +95,22 @@ class Engine:
     # -- the scheduler ----------------------------------------------------------------------------
 
     async def _loop(self) -> None:
-        while True:
-            work, step_ms = self._plan()
-            if not work:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            await asyncio.sleep(step_ms / 1000)
-            self._commit(work)
+        try:
+            while True:
+                work, step_ms = self._plan()
+                if not work:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                await asyncio.sleep(step_ms / 1000)
+                self._commit(work)
+        except Exception:
+            # A bug here would otherwise hang every open stream: end them, say why, and let the
+            # next request start a fresh loop.
+            log.exception("simulated engine loop failed; aborting its sequences")
+            for seq in [*self.waiting, *self.running]:
+                self.abort(seq)
+                seq.events.put_nowait(Finished("abort"))
 
     def _plan(self) -> tuple[list[tuple[Sequence, int]], float]:
         """Choose this step's work: (sequence, tokens to compute) pairs, and the step's cost."""
@@ -193,6 +125,7 @@ class Engine:
                 seq = self.waiting.popleft()
                 self._admit(seq, self._prefix_hits(seq))
         used = sum(s.blocks for s in self.running)
+        prefilling = 0  # prefill tokens scheduled so far in this step
         preempted = False
         i = 0
         while i < len(self.running):
@@ -201,7 +134,7 @@ class Engine:
             if seq.decoding:
                 n = 1 if budget > 0 else 0
             else:
-                n = self._take(seq.target - seq.computed, budget, prefill_left, first=not work)
+                n = self._take(seq.target - seq.computed, budget, prefill_left, first=not prefilling)
             if n == 0:
                 continue
             extra = self._blocks(seq.computed + n) - seq.blocks
@@ -216,14 +149,16 @@ class Engine:
             used += extra
             work.append((seq, n))
             budget -= n
-            prefill_left -= 0 if seq.decoding else n
+            if not seq.decoding:
+                prefill_left -= n
+                prefilling += n
         # As in vLLM, no new sequence starts in a step that had to preempt one.
         while cfg.batching.enable_continuous_batching and not preempted and self.waiting:
             if len(self.running) >= cfg.batching.max_num_seqs:
                 break
             seq = self.waiting[0]
             hits = self._prefix_hits(seq)
-            n = self._take(seq.target - hits, budget, prefill_left, first=prefill_left == cfg.prefill.max_prefill_tokens)
+            n = self._take(seq.target - hits, budget, prefill_left, first=not prefilling)
             need = self._blocks(hits + n)
             if n == 0 or used + need > total_blocks:
                 break
@@ -234,6 +169,7 @@ class Engine:
             work.append((seq, n))
             budget -= n
             prefill_left -= n
+            prefilling += n
         return work, self._cost_ms(work)
 
     def _cost_ms(self, work: list[tuple[Sequence, int]]) -> float:

@@ -1,0 +1,84 @@
+"""The access log: one structured line per finished request, never prompt text, never a key."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import orjson
+
+from proxy.exchange import Exchange
+from proxy.observer import Observer
+
+log = logging.getLogger("infertap.access")
+
+
+def _r(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
+
+def access_record(ex: Exchange) -> dict[str, Any]:
+    """The line's fields, straight from the Exchange, so they equal what the metrics observed."""
+    return {
+        "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ex.started_unix_ns / 1e9))
+        + f".{ex.started_unix_ns // 1_000_000 % 1000:03d}Z",
+        "request_id": ex.request_id,
+        "method": ex.method,
+        "route": ex.route,
+        "model": ex.model,
+        "upstream": ex.upstream,
+        "stream": ex.stream,
+        "status": ex.status_code,
+        "outcome": ex.outcome.value if ex.outcome is not None else None,
+        "ttft_s": _r(ex.ttft),
+        "ttfb_s": _r(ex.ttfb),
+        "tpot_s": _r(ex.tpot),
+        "duration_s": _r(ex.duration),
+        "prompt_tokens": ex.prompt_tokens,
+        "completion_tokens": None if ex.route == "embeddings" else ex.output_tokens,
+        "tokens_source": ex.token_source.value,
+        "output_events": ex.output_events,
+        "attempts": ex.attempts,
+        "retries": ex.retries,
+        "trace_id": ex.trace_id,
+        "error": ex.error_message,
+    }
+
+
+def _logfmt_value(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    text = str(v)
+    if not text or any(c in text for c in ' "=\\') or not text.isprintable():
+        return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    return text
+
+
+class AccessLog(Observer):
+    name = "access_log"
+
+    def __init__(self, fmt: str = "json", logger: logging.Logger = log) -> None:
+        self.fmt = fmt
+        self.logger = logger
+
+    def _write(self, ex: Exchange) -> None:
+        if not self.logger.isEnabledFor(logging.INFO):
+            return
+        record = access_record(ex)
+        if self.fmt == "json":
+            line = orjson.dumps(record).decode()
+        else:
+            line = " ".join(f"{k}={_logfmt_value(v)}" for k, v in record.items() if v is not None)
+        self.logger.info(line)
+
+    def finished(self, ex: Exchange) -> None:
+        self._write(ex)
+
+    def failed(self, ex: Exchange) -> None:
+        self._write(ex)
+
+    def client_disconnected(self, ex: Exchange) -> None:
+        self._write(ex)

@@ -1,0 +1,379 @@
+"""Prometheus metrics: the ONLY module that imports prometheus_client (its registry type is re-exported).
+
+Every metric is defined in one constructor on an explicit registry. Label values are
+bounded: `model` passes an allow-list with a cap, everything else has a closed vocabulary.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
+from prometheus_client.exposition import choose_encoder
+
+from proxy import __version__
+from proxy.exchange import Exchange, Outcome
+from proxy.observer import Observer
+from proxy.settings import MetricsSettings, Settings
+
+# vLLM's TTFT boundaries plus our SLO points, so proxy and engine histograms line up.
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.2,
+    0.25,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+# vLLM's ITL boundaries plus finer ones below 10 ms: local engines decode faster than that.
+ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+# vLLM's e2e boundaries plus sub-0.3 s ones for short and non-generation requests.
+DURATION_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5) if m * 10**e <= 1_000_000)
+
+TIMEOUT_PHASES: dict[str, str] = {
+    Outcome.CONNECT_TIMEOUT.value: "connect",
+    Outcome.TTFT_TIMEOUT.value: "ttft",
+    Outcome.IDLE_TIMEOUT.value: "idle",
+    Outcome.TOTAL_TIMEOUT.value: "total",
+}
+__all__ = ["CollectorRegistry", "Metrics", "ModelLabels", "multiprocess_dir"]
+OTHER = "other"
+NONE = "none"
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+class ModelLabels:
+    """Maps a requested model name to a bounded label value."""
+
+    def __init__(self, patterns: Iterable[str] | None, cap: int) -> None:
+        self.patterns = None if patterns is None else list(patterns)
+        self.cap = cap
+        self.seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, model: str | None) -> str:
+        if not model:
+            return NONE
+        if model in self.seen:
+            return model
+        if self.patterns is not None and not any(fnmatch.fnmatchcase(model, p) for p in self.patterns):
+            return OTHER
+        with self._lock:
+            if len(self.seen) >= self.cap:
+                return OTHER
+            self.seen.add(model)
+        return model
+
+
+def _default_model_patterns(settings: Settings) -> list[str] | None:
+    if settings.metrics.models is not None:
+        return settings.metrics.models
+    patterns: list[str] = []
+    for up in settings.upstreams:
+        if not up.models:
+            return None  # a catch-all upstream: any model may appear, the cap still bounds them
+        patterns.extend(up.models)
+    return patterns or None
+
+
+class Metrics(Observer):
+    """Turns each Exchange into Prometheus observations. O(1) work per output event."""
+
+    name = "metrics"
+
+    def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
+        m: MetricsSettings = settings.metrics
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.multiprocess = multiprocess_dir() is not None
+        self.exemplars = m.exemplars and not self.multiprocess
+        self.model_label = ModelLabels(_default_model_patterns(settings), m.max_models)
+        r = self.registry
+        self.requests = Counter(
+            "infertap_requests_total",
+            "Requests by how they ended.",
+            ["route", "model", "upstream", "stream", "outcome"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            "infertap_request_duration_seconds",
+            "From request receipt to the last byte sent to the client.",
+            ["route", "model", "upstream", "stream"],
+            registry=r,
+            buckets=m.duration_buckets or DURATION_BUCKETS,
+        )
+        self.ttft = Histogram(
+            "infertap_time_to_first_token_seconds",
+            "From request receipt to the first event carrying output text handed to "
+            "the client (prefill, queueing and network).",
+            ["model", "upstream", "prompt_class"],
+            registry=r,
+            buckets=m.ttft_buckets or TTFT_BUCKETS,
+        )
+        self.ttfb = Histogram(
+            "infertap_time_to_first_byte_seconds",
+            "From request receipt to the upstream's response headers.",
+            ["model", "upstream"],
+            registry=r,
+            buckets=m.ttft_buckets or TTFT_BUCKETS,
+        )
+        self.itl = Histogram(
+            "infertap_inter_token_latency_seconds",
+            "Gap between consecutive output events of a stream (an event may carry several tokens).",
+            ["model", "upstream"],
+            registry=r,
+            buckets=m.itl_buckets or ITL_BUCKETS,
+        )
+        self.tpot = Histogram(
+            "infertap_time_per_output_token_seconds",
+            "Per request: (last output event - first output event) / (output tokens - 1).",
+            ["model", "upstream"],
+            registry=r,
+            buckets=m.tpot_buckets or ITL_BUCKETS,
+        )
+        self.prompt_tokens = Counter(
+            "infertap_prompt_tokens_total",
+            "Prompt tokens (from usage; estimated from text when absent).",
+            ["model", "upstream"],
+            registry=r,
+        )
+        self.completion_tokens = Counter(
+            "infertap_completion_tokens_total",
+            "Completion tokens (from usage; counted events when absent).",
+            ["model", "upstream"],
+            registry=r,
+        )
+        self.estimated = Counter(
+            "infertap_requests_without_usage_total",
+            "Responses whose token counts are estimated: the upstream sent no usage.",
+            ["model", "upstream"],
+            registry=r,
+        )
+        self.req_prompt_tokens = Histogram(
+            "infertap_request_prompt_tokens",
+            "Prompt tokens per request.",
+            ["model", "upstream"],
+            registry=r,
+            buckets=TOKEN_BUCKETS,
+        )
+        self.req_completion_tokens = Histogram(
+            "infertap_request_completion_tokens",
+            "Completion tokens per request.",
+            ["model", "upstream"],
+            registry=r,
+            buckets=TOKEN_BUCKETS,
+        )
+        self.attempts = Counter(
+            "infertap_upstream_attempts_total",
+            "Upstream attempts by result.",
+            ["upstream", "result"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "infertap_retries_total",
+            "Attempts that failed and were retried.",
+            ["upstream", "reason"],
+            registry=r,
+        )
+        self.timeouts = Counter(
+            "infertap_timeouts_total", "Timeouts by phase.", ["upstream", "phase"], registry=r
+        )
+        self.in_flight = Gauge(
+            "infertap_in_flight_requests",
+            "Requests being served now.",
+            ["upstream"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.upstream_up = Gauge(
+            "infertap_upstream_up",
+            "1 while infertap sends traffic to the upstream, 0 while its circuit is open.",
+            ["upstream"],
+            registry=r,
+            multiprocess_mode="livemin",
+        )
+        self.build_info = Gauge(
+            "infertap_build_info", "infertap's version.", ["version"], registry=r, multiprocess_mode="max"
+        )
+        self.build_info.labels(__version__).set(1)
+        for up in settings.upstreams:
+            # Known children up front: dashboards see zeros instead of missing series.
+            self.in_flight.labels(up.name)
+            self.upstream_up.labels(up.name).set(1)
+            self.retries.labels(up.name, "connect_error")
+            for phase in TIMEOUT_PHASES.values():
+                self.timeouts.labels(up.name, phase)
+
+    # -- hooks ------------------------------------------------------------------------------
+    def request_received(self, ex: Exchange) -> None:
+        model = self.model_label(ex.model)
+        upstream = ex.upstream or NONE
+        ex.scratch["metrics"] = (model, upstream)
+        self.in_flight.labels(upstream).inc()
+
+    def retry(self, ex: Exchange, reason: str, backoff: float) -> None:
+        _, upstream = ex.scratch["metrics"]
+        self.attempts.labels(upstream, reason).inc()
+        self.retries.labels(upstream, reason).inc()
+        phase = TIMEOUT_PHASES.get(reason)
+        if phase is not None:
+            self.timeouts.labels(upstream, phase).inc()
+
+    def first_byte(self, ex: Exchange) -> None:
+        model, upstream = ex.scratch["metrics"]
+        ttfb = ex.ttfb
+        if ttfb is not None:
+            self.ttfb.labels(model, upstream).observe(ttfb)
+
+    def first_token(self, ex: Exchange) -> None:
+        model, upstream = ex.scratch["metrics"]
+        ttft = ex.ttft
+        if ttft is not None:
+            self.ttft.labels(model, upstream, ex.prompt_class).observe(ttft, self._exemplar(ex))
+        ex.scratch["metrics.itl"] = self.itl.labels(model, upstream)
+
+    def chunk(self, ex: Exchange, gap: float) -> None:
+        ex.scratch["metrics.itl"].observe(gap)
+
+    def finished(self, ex: Exchange) -> None:
+        self._end(ex)
+
+    def failed(self, ex: Exchange) -> None:
+        self._end(ex)
+
+    def client_disconnected(self, ex: Exchange) -> None:
+        self._end(ex)
+
+    def _end(self, ex: Exchange) -> None:
+        model, upstream = ex.scratch["metrics"]
+        outcome = ex.outcome.value if ex.outcome is not None else NONE
+        stream = "true" if ex.stream else "false"
+        self.in_flight.labels(upstream).dec()
+        self.requests.labels(ex.route, model, upstream, stream, outcome).inc()
+        if ex.attempts:
+            result = "cancelled" if ex.outcome is Outcome.CLIENT_DISCONNECT else outcome
+            self.attempts.labels(upstream, result).inc()
+        phase = TIMEOUT_PHASES.get(outcome)
+        if phase is not None:
+            self.timeouts.labels(upstream, phase).inc()
+        if ex.outcome is Outcome.REJECTED:
+            return
+        duration = ex.duration
+        if duration is not None:
+            self.duration.labels(ex.route, model, upstream, stream).observe(duration, self._exemplar(ex))
+        if ex.outcome is not Outcome.OK:
+            return
+        tpot = ex.tpot
+        if tpot is not None:
+            self.tpot.labels(model, upstream).observe(tpot)
+        prompt = ex.prompt_tokens if ex.prompt_tokens is not None else ex.estimated_prompt_tokens
+        if prompt:
+            self.prompt_tokens.labels(model, upstream).inc(prompt)
+            self.req_prompt_tokens.labels(model, upstream).observe(prompt)
+        if ex.route == "embeddings":
+            return
+        completion = ex.output_tokens
+        self.completion_tokens.labels(model, upstream).inc(completion)
+        self.req_completion_tokens.labels(model, upstream).observe(completion)
+        if ex.completion_tokens is None:
+            self.estimated.labels(model, upstream).inc()
+
+    def _exemplar(self, ex: Exchange) -> dict[str, str] | None:
+        if self.exemplars and ex.trace_id:
+            return {"trace_id": ex.trace_id}
+        return None
+
+    def close(self) -> None:
+        if self.multiprocess:
+            multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
+
+    # -- exposition -------------------------------------------------------------------------
+    def render(self, accept: str | None) -> tuple[bytes, str]:
+        """The exposition, in OpenMetrics (with exemplars) when the scraper asks for it."""
+        registry: Any = self.registry
+        if self.multiprocess:
+            # Each worker writes its own files; a scrape aggregates them all, whichever worker answers.
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(registry), content_type

@@ -1,0 +1,116 @@
+"""`infertap sim`: run the simulated OpenAI-compatible engine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import sys
+from typing import Any
+
+import uvicorn
+
+from proxy.sim.app import create_sim_app
+from proxy.sim.config import SimConfig, SimConfigError, load_sim_config, with_overrides
+
+# `infertap serve` parses this line (with the real port) from the child's stdout: keep it exact.
+READY = "infertap-sim listening on http://{host}:{port}/v1"
+
+EPILOG = """\
+examples:
+  infertap sim                                     # http://127.0.0.1:8000/v1, the seed's defaults
+  infertap sim --config config.toml --port 0       # the engine config.toml of the seed article
+  infertap sim --no-kv-cache                       # the seed's A/B: watch TPOT climb with context
+  infertap sim --ttft-ms 300 --tpot-ms 25          # fixed timings for every request
+
+  curl -N http://127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{"model":"sim-model","stream":true,"messages":[{"role":"user","content":"hi"}]}'
+
+Per-request test hooks (headers): x-sim-output-tokens, x-sim-ttft-ms, x-sim-tpot-ms.
+Endpoints: /v1/models, /v1/chat/completions, /v1/completions, /v1/embeddings, /health,
+/metrics (vLLM names: vllm:time_to_first_token_seconds, vllm:num_preemptions_total, ...).
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="infertap sim",
+        description="Run a simulated OpenAI-compatible inference engine whose timing follows the "
+        "prefill/decode/KV-cache model: TTFT grows with prompt length and queueing, TPOT with batch "
+        "size (and with context length when the KV cache is off). No GPU or model needed.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--config", metavar="PATH", help="engine config.toml ([model], [kv_cache], ... and [sim])")
+    p.add_argument("--seed", type=int, help="seed of the generated text ([sim] seed)")
+    p.add_argument("--ttft-ms", type=float, metavar="MS", help="fixed time to first token for every request")
+    p.add_argument(
+        "--tpot-ms", type=float, metavar="MS", help="fixed time per output token for every request"
+    )
+    p.add_argument(
+        "--no-kv-cache", action="store_true", help="turn the KV cache off ([kv_cache] enable=false)"
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, metavar="N", help="concurrent sequences ([batching] max_num_seqs)"
+    )
+    p.add_argument(
+        "--output-tokens", type=int, metavar="N", help="answer length ([sim] default_output_tokens)"
+    )
+    return p
+
+
+def resolve_config(args: argparse.Namespace) -> SimConfig:
+    config = load_sim_config(args.config)
+    overrides: dict[str, dict[str, Any]] = {"sim": {}, "kv_cache": {}, "batching": {}}
+    if args.seed is not None:
+        overrides["sim"]["seed"] = args.seed
+    if args.ttft_ms is not None:
+        overrides["sim"]["fixed_ttft_ms"] = args.ttft_ms
+    if args.tpot_ms is not None:
+        overrides["sim"]["fixed_tpot_ms"] = args.tpot_ms
+    if args.output_tokens is not None:
+        overrides["sim"]["default_output_tokens"] = args.output_tokens
+    if args.no_kv_cache:
+        overrides["kv_cache"]["enable"] = False
+    if args.max_num_seqs is not None:
+        overrides["batching"]["max_num_seqs"] = args.max_num_seqs
+    return with_overrides(config, overrides)
+
+
+def _url_host(sock: socket.socket) -> str:
+    host = str(sock.getsockname()[0])
+    return f"[{host}]" if sock.family == socket.AF_INET6 else host
+
+
+async def _serve(server: uvicorn.Server) -> None:
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():  # failed to bind: uvicorn has logged why
+            await task
+            return
+        await asyncio.sleep(0.01)
+    sock = server.servers[0].sockets[0]
+    print(READY.format(host=_url_host(sock), port=sock.getsockname()[1]), flush=True)
+    await task
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = resolve_config(args)
+    except SimConfigError as e:
+        print(f"infertap sim: {e}", file=sys.stderr)
+        return 2
+    app = create_sim_app(config)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on")
+    )
+    try:
+        asyncio.run(_serve(server))
+    except SystemExit as e:  # uvicorn exits this way when it cannot bind
+        return e.code if isinstance(e.code, int) else 1
+    except KeyboardInterrupt:
+        return 130
+    return 0

@@ -1,0 +1,524 @@
+"""The measuring client shared by `infertap probe` and `infertap compare`.
+
+One `Target` (base URL, model, key variable, request params, timeouts, retries) is built from,
+lowest to highest precedence: built-in defaults < TAOTOKEN_BASE_URL / TAOTOKEN_API_KEY in the
+environment < the seed's client settings.json (`--settings`) < command-line flags.
+
+`measure_one` streams one chat completion with httpx and times it with `time.perf_counter()`:
+TTFT is the first SSE event that carries output text (the role-only chunk does not count; the
+test is the proxy's own `proxy.sse` scanner, so probe and proxy agree on what a token is); the
+output token count comes from the usage chunk (asked for with stream_options.include_usage) or,
+when the server sends none, from counting content events. `run_many` runs N requests at
+concurrency C. Failures become a `Result` with an error kind and a one-line message, never an
+exception, and the API key never appears in any message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import orjson
+
+from proxy.sse import SSEScanner, event_data
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8080/v1"  # `infertap serve`
+DEFAULT_KEY_ENV = "TAOTOKEN_API_KEY"
+BASE_URL_ENV = "TAOTOKEN_BASE_URL"
+# The seed article's prompt: "In about 300 characters, explain the difference between prefill
+# and decode in LLM inference, and what KV caching does."
+DEFAULT_PROMPT = "请用 300 字解释大模型推理中预填充和解码的区别，并说明 KV Caching 的作用。"
+DEFAULT_MAX_TOKENS = 512
+MAX_BACKOFF_S = 30.0
+
+RETRYABLE = frozenset({"connect_error", "connect_timeout", "read_timeout", "rate_limited", "upstream_error"})
+
+
+class ToolError(Exception):
+    """A problem with the tool's own input (flags, settings file): exit status 2."""
+
+
+@dataclass(frozen=True)
+class Target:
+    base_url: str
+    model: str | None = None
+    api_key_env: str | None = DEFAULT_KEY_ENV
+    params: Mapping[str, Any] = field(default_factory=dict)  # extra body fields (temperature, top_k, ...)
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    connect_timeout: float = 10.0
+    read_timeout: float = 120.0
+    max_attempts: int = 3
+    backoff_s: float = 2.0
+    include_usage: bool = True
+
+    @property
+    def url(self) -> str:
+        """Chat completions URL: the base URL + /chat/completions, as the OpenAI SDK builds it."""
+        return self.base_url.rstrip("/") + "/chat/completions"
+
+    def api_key(self) -> str | None:
+        return (os.environ.get(self.api_key_env) or None) if self.api_key_env else None
+
+    def describe(self) -> dict[str, Any]:
+        """What may be shown: never the key, only the name of its variable and whether it is set."""
+        return {
+            "base_url": self.base_url,
+            "model": self.model,
+            "api_key_env": self.api_key_env,
+            "api_key_set": self.api_key() is not None,
+        }
+
+
+@dataclass
+class Result:
+    index: int
+    ok: bool = False
+    ttft_s: float | None = None
+    total_s: float | None = None
+    output_tokens: int | None = None
+    token_source: str | None = None  # "usage" or "counted"
+    content_events: int = 0
+    prompt_tokens: int | None = None
+    attempts: int = 0
+    status: int | None = None
+    finish_reason: str | None = None
+    error_kind: str | None = None
+    error: str | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """The seed's formula: (total - TTFT) / max(tokens - 1, 1)."""
+        if self.ttft_s is None or self.total_s is None or self.output_tokens is None:
+            return None
+        return (self.total_s - self.ttft_s) / max(self.output_tokens - 1, 1)
+
+    @property
+    def tps(self) -> float | None:
+        tpot = self.tpot_s
+        return 1.0 / tpot if tpot else None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "ok": self.ok,
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "tps": self.tps,
+            "total_s": self.total_s,
+            "output_tokens": self.output_tokens,
+            "token_source": self.token_source,
+            "prompt_tokens": self.prompt_tokens,
+            "finish_reason": self.finish_reason,
+            "attempts": self.attempts,
+            "status": self.status,
+            "error_kind": self.error_kind,
+            "error": self.error,
+        }
+
+
+class _Failure(Exception):
+    def __init__(self, kind: str, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.status = status
+
+
+# -- settings ---------------------------------------------------------------------------------
+
+
+def load_client_settings(path: str | Path) -> dict[str, Any]:
+    """Read the seed's client settings.json; ToolError names the file and the bad field."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ToolError(f"{p}: settings file not found") from None
+    except OSError as e:
+        raise ToolError(f"{p}: cannot read: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ToolError(f"{p}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ToolError(f"{p}: must hold a JSON object")
+    for key, kind in (("default_params", dict), ("timeout", dict), ("retry", dict)):
+        if key in data and not isinstance(data[key], kind):
+            raise ToolError(f"{p}: {key}: must be an object")
+    for key in ("base_url", "api_key_env", "model"):
+        if key in data and not isinstance(data[key], str):
+            raise ToolError(f"{p}: {key}: must be a string")
+    for section, key in (("timeout", "connect"), ("timeout", "read"), ("retry", "backoff_seconds")):
+        value = data.get(section, {}).get(key)
+        if value is not None and (not _is_number(value) or value < 0):
+            raise ToolError(f"{p}: {section}.{key}: must be a non-negative number")
+    attempts = data.get("retry", {}).get("max_attempts")
+    if attempts is not None and (not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 1):
+        raise ToolError(f"{p}: retry.max_attempts: must be an integer >= 1")
+    max_tokens = data.get("default_params", {}).get("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ToolError(f"{p}: default_params.max_tokens: must be an integer >= 1")
+    return data
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def add_target_arguments(parser: argparse.ArgumentParser, *, base_url_flag: bool = True) -> None:
+    g = parser.add_argument_group("target and request (flags override --settings, which overrides the env)")
+    if base_url_flag:
+        g.add_argument(
+            "--base-url",
+            help=f"OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1 (default: ${BASE_URL_ENV} or "
+            f"{DEFAULT_BASE_URL})",
+        )
+    g.add_argument("--model", help="model name (default: from --settings, else the first of GET /models)")
+    g.add_argument(
+        "--api-key-env",
+        metavar="NAME",
+        help=f"NAME of the environment variable holding the API key (default: {DEFAULT_KEY_ENV}); "
+        "no key is sent when it is unset",
+    )
+    g.add_argument("--settings", metavar="FILE", help="the seed's client settings.json")
+    g.add_argument("--prompt", action="append", help="prompt text; repeat for a prompt set (cycled)")
+    g.add_argument(
+        "--prompt-file", action="append", metavar="FILE", help="a file whose text is one prompt; repeatable"
+    )
+    g.add_argument("--max-tokens", type=int, help=f"max_tokens per request (default: {DEFAULT_MAX_TOKENS})")
+    g.add_argument("--timeout-connect", type=float, metavar="S", help="connect timeout, seconds (default: 10)")
+    g.add_argument(
+        "--timeout-read", type=float, metavar="S", help="longest silence while streaming, seconds (default: 120)"
+    )
+    g.add_argument("--retries", type=int, help="retries after a failed attempt (default: 2, i.e. 3 attempts)")
+    g.add_argument("--backoff", type=float, metavar="S", help="first retry delay, doubled each time (default: 2)")
+    g.add_argument(
+        "--no-usage",
+        action="store_true",
+        help="do not ask for stream_options.include_usage (tokens are then counted from content events)",
+    )
+
+
+def target_from_args(
+    args: argparse.Namespace, env: Mapping[str, str] | None = None, notes: list[str] | None = None
+) -> Target:
+    """Merge defaults < environment < settings.json < flags into a Target (ToolError if invalid).
+
+    Things worth telling the user (a setting overruled, say) are appended to `notes`.
+    """
+    env = os.environ if env is None else env
+    s = load_client_settings(args.settings) if args.settings else {}
+    params: dict[str, Any] = dict(s.get("default_params", {}))
+    if params.pop("stream", True) is not True and notes is not None:
+        notes.append("settings default_params.stream is not true: requests stream anyway (TTFT needs a stream)")
+    params.pop("stream_options", None)
+    params.pop("model", None)
+    params.pop("messages", None)
+    max_tokens = params.pop("max_tokens", DEFAULT_MAX_TOKENS)
+    timeout, retry = s.get("timeout", {}), s.get("retry", {})
+
+    base_url = getattr(args, "base_url", None) or s.get("base_url") or env.get(BASE_URL_ENV) or DEFAULT_BASE_URL
+    target = Target(
+        base_url=base_url,
+        model=args.model or s.get("model"),
+        api_key_env=args.api_key_env or s.get("api_key_env") or DEFAULT_KEY_ENV,
+        params=params,
+        max_tokens=args.max_tokens if args.max_tokens is not None else max_tokens,
+        connect_timeout=_pick(args.timeout_connect, timeout.get("connect"), 10.0),
+        read_timeout=_pick(args.timeout_read, timeout.get("read"), 120.0),
+        max_attempts=args.retries + 1 if args.retries is not None else int(retry.get("max_attempts", 3)),
+        backoff_s=_pick(args.backoff, retry.get("backoff_seconds"), 2.0),
+        include_usage=not args.no_usage,
+    )
+    return validate_target(target)
+
+
+def _pick(flag: float | None, setting: Any, default: float) -> float:
+    if flag is not None:
+        return float(flag)
+    return float(setting) if setting is not None else default
+
+
+def validate_target(t: Target) -> Target:
+    parts = urlsplit(t.base_url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ToolError(f"base URL must be an http:// or https:// URL, got {t.base_url!r}")
+    if t.max_tokens < 1:
+        raise ToolError("--max-tokens must be at least 1")
+    if t.connect_timeout <= 0 or t.read_timeout <= 0:
+        raise ToolError("timeouts must be positive")
+    if t.max_attempts < 1:
+        raise ToolError("--retries must be 0 or more")
+    if t.backoff_s < 0:
+        raise ToolError("--backoff must be 0 or more")
+    return t
+
+
+def prompts_from_args(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt or [])
+    for path in args.prompt_file or []:
+        try:
+            prompts.append(Path(path).read_text(encoding="utf-8"))
+        except OSError as e:
+            raise ToolError(f"{path}: cannot read prompt file: {e.strerror}") from None
+    if any(not p.strip() for p in prompts):
+        raise ToolError("a prompt is empty")
+    return prompts or [DEFAULT_PROMPT]
+
+
+# -- one request ------------------------------------------------------------------------------
+
+
+def make_client(target: Target, concurrency: int) -> httpx.AsyncClient:
+    # A pooled client: connections are reused across requests, as the seed advises.
+    timeout = httpx.Timeout(
+        connect=target.connect_timeout, read=target.read_timeout, write=target.read_timeout, pool=None
+    )
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+
+
+def _headers(target: Target) -> dict[str, str]:
+    headers = {"accept": "text/event-stream", "user-agent": "infertap-probe"}
+    key = target.api_key()
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    return headers
+
+
+def _body(target: Target, prompt: str) -> dict[str, Any]:
+    body: dict[str, Any] = dict(target.params)
+    body.update(
+        model=target.model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=target.max_tokens,
+        stream=True,
+    )
+    if target.include_usage:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def resolve_model(client: httpx.AsyncClient, target: Target) -> Target:
+    """A target with a model: the one given, else the first id of GET {base}/models."""
+    if target.model:
+        return target
+    url = target.base_url.rstrip("/") + "/models"
+    try:
+        resp = await client.get(url, headers=_headers(target))
+    except httpx.HTTPError as e:
+        _, msg = _describe_exception(e, url, got_headers=False)
+        raise ToolError(f"no --model given and GET {url} failed: {msg}") from None
+    if resp.status_code != 200:
+        raise ToolError(f"no --model given and GET {url} answered {_status_text(resp, target)}")
+    try:
+        ids = [m["id"] for m in resp.json()["data"] if isinstance(m.get("id"), str)]
+    except (ValueError, KeyError, TypeError):
+        ids = []
+    if not ids:
+        raise ToolError(f"no --model given and GET {url} listed no model")
+    return replace(target, model=ids[0])
+
+
+async def measure_one(client: httpx.AsyncClient, target: Target, prompt: str, index: int = 0) -> Result:
+    """Stream one chat completion (with retries before any output) and time it."""
+    result = Result(index=index)
+    for attempt in range(1, target.max_attempts + 1):
+        result = Result(index=index, attempts=attempt)
+        try:
+            await _attempt(client, target, prompt, result)
+            result.ok = True
+            return result
+        except _Failure as f:
+            result.error_kind, result.error, result.status = f.kind, f.message, f.status
+            if f.kind == "stream_options_rejected" and target.include_usage:
+                # An older server that refuses stream_options: fail open and count events instead.
+                target = replace(target, include_usage=False)
+                continue
+            if f.kind not in RETRYABLE or result.content_events or attempt == target.max_attempts:
+                return result
+        delay = min(target.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
+        if delay > 0:
+            await asyncio.sleep(delay)
+    return result
+
+
+async def _attempt(client: httpx.AsyncClient, target: Target, prompt: str, result: Result) -> None:
+    url = target.url
+    got_headers = False
+    scanner = SSEScanner()
+    started = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=_body(target, prompt), headers=_headers(target)) as resp:
+            got_headers = True
+            result.status = resp.status_code
+            if resp.status_code != 200:
+                await resp.aread()
+                raise _http_failure(resp, target)
+            async for chunk in resp.aiter_bytes():
+                complete, outputs = scanner.feed(chunk)
+                now = time.perf_counter()
+                if outputs:
+                    if result.ttft_s is None:
+                        result.ttft_s = now - started
+                    result.content_events += outputs
+                if scanner.facts.error_events:
+                    raise _Failure("stream_error", _stream_error_text(complete), resp.status_code)
+            ended = time.perf_counter()
+    except httpx.HTTPError as e:
+        kind, msg = _describe_exception(e, url, got_headers, result.content_events, target.read_timeout)
+        raise _Failure(kind, msg, result.status) from None
+    facts = scanner.facts
+    if result.ttft_s is None:
+        raise _Failure("no_output", "the stream ended without any output text", result.status)
+    result.total_s = ended - started
+    usage = facts.usage or {}
+    completion = usage.get("completion_tokens")
+    if isinstance(completion, int) and completion > 0:
+        result.output_tokens, result.token_source = completion, "usage"
+    else:
+        result.output_tokens, result.token_source = result.content_events, "counted"
+    prompt_tokens = usage.get("prompt_tokens")
+    result.prompt_tokens = prompt_tokens if isinstance(prompt_tokens, int) else None
+    result.finish_reason = facts.finish_reasons[-1] if facts.finish_reasons else None
+
+
+def _stream_error_text(events: bytes) -> str:
+    for raw in events.split(b"\n\n"):
+        if b'"error"' not in raw:
+            continue
+        try:
+            obj = orjson.loads(event_data(raw))
+        except orjson.JSONDecodeError:
+            continue
+        err = obj.get("error") if isinstance(obj, dict) else None
+        if isinstance(err, dict) and err.get("message"):
+            return f"the server sent an error event mid-stream: {err['message']}"
+    return "the server sent an error event mid-stream"
+
+
+def _status_text(resp: httpx.Response, target: Target) -> str:
+    message = ""
+    try:
+        err = resp.json().get("error")
+        if isinstance(err, dict):
+            message = str(err.get("message") or "")
+        elif isinstance(err, str):
+            message = err
+    except (ValueError, AttributeError):
+        message = resp.text[:200].strip()
+    text = f"HTTP {resp.status_code}"
+    if message:
+        text += f": {message[:300]}"
+    if resp.status_code in (401, 403):
+        env = target.api_key_env or DEFAULT_KEY_ENV
+        state = "is set but was refused" if target.api_key() else "is not set"
+        text += f" (the API key comes from ${env}, which {state}; see --api-key-env)"
+    elif resp.status_code == 404:
+        text += " (is the base URL right? OpenAI-compatible servers usually want it to end in /v1)"
+    return text
+
+
+def _http_failure(resp: httpx.Response, target: Target) -> _Failure:
+    code = resp.status_code
+    text = f"{target.url} answered {_status_text(resp, target)}"
+    if code == 400 and target.include_usage and b"stream_options" in resp.content:
+        return _Failure("stream_options_rejected", text, code)
+    if code in (401, 403):
+        kind = "auth_error"
+    elif code == 429:
+        kind = "rate_limited"
+    elif code >= 500:
+        kind = "upstream_error"
+    else:
+        kind = "client_error"
+    return _Failure(kind, text, code)
+
+
+def _describe_exception(
+    e: httpx.HTTPError,
+    url: str,
+    got_headers: bool,
+    content_events: int = 0,
+    read_timeout: float | None = None,
+) -> tuple[str, str]:
+    where = urlsplit(url).netloc
+    if isinstance(e, httpx.ConnectTimeout):
+        return "connect_timeout", f"connecting to {where} timed out"
+    if isinstance(e, httpx.ConnectError):
+        reason = str(e) or type(e).__name__
+        if "refused" in reason.lower():
+            reason = "connection refused: is the server running?"
+        return "connect_error", f"cannot connect to {where} ({reason})"
+    if isinstance(e, httpx.ReadTimeout):
+        limit = f" within the read timeout ({read_timeout:g} s)" if read_timeout else ""
+        if not got_headers:
+            return "read_timeout", f"{where} sent no response{limit}"
+        if not content_events:
+            return "ttft_timeout", f"{where} sent no output text{limit}"
+        return "idle_timeout", f"{where} went silent mid-stream after {content_events} content events{limit}"
+    if isinstance(e, httpx.TimeoutException):
+        return "timeout", f"{where}: {type(e).__name__}"
+    if isinstance(e, httpx.RemoteProtocolError | httpx.ReadError):
+        if content_events:
+            return "stream_interrupted", f"{where} closed the stream after {content_events} content events"
+        if got_headers:
+            return "stream_interrupted", f"{where} closed the stream before any output"
+        return "connect_error", f"{where} closed the connection ({type(e).__name__})"
+    return "protocol_error", f"{where}: {type(e).__name__}: {e}"
+
+
+# -- many requests ----------------------------------------------------------------------------
+
+
+async def run_many(
+    client: httpx.AsyncClient,
+    target: Target,
+    prompts: Sequence[str],
+    n: int,
+    concurrency: int,
+    on_done: Callable[[Result], None] | None = None,
+    start_index: int = 0,
+) -> list[Result]:
+    """N requests, at most C in flight; request i uses prompts[i % len(prompts)]."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> Result:
+        async with gate:
+            r = await measure_one(client, target, prompts[i % len(prompts)], i)
+        if on_done is not None:
+            on_done(r)
+        return r
+
+    return list(await asyncio.gather(*(one(start_index + i) for i in range(n))))
+
+
+class Progress:
+    """`\\r12/100 done, 1 failed` on stderr, only when stderr is a terminal."""
+
+    def __init__(self, total: int, stream: Any, label: str = "") -> None:
+        self.total, self.stream, self.label = total, stream, label
+        self.done = self.failed = 0
+        isatty = getattr(stream, "isatty", None)
+        self.enabled = bool(isatty and isatty()) and total > 1
+
+    def __call__(self, r: Result) -> None:
+        self.done += 1
+        self.failed += not r.ok
+        if self.enabled:
+            tail = f", {self.failed} failed" if self.failed else ""
+            self.stream.write(f"\r{self.label}{self.done}/{self.total} done{tail}  ")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.done:
+            self.stream.write("\n")
+            self.stream.flush()

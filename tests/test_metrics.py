@@ -1,0 +1,337 @@
+"""Metrics: exact counts after known workloads, buckets, cardinality, multi-worker, exemplars."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.exchange import Exchange
+from proxy.observer import Observer
+from tests.conftest import RecordingObserver, make_settings, run_proxy, wait_until
+from tests.fake_upstream import FakeUpstream
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
+
+
+def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    return [(s.name, s.labels, s.value) for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    return sum(
+        v for n, lab, v in samples(text) if n == name and all(lab.get(k) == x for k, x in labels.items())
+    )
+
+
+def scrape(proxy: str, **headers: str) -> str:
+    return httpx.get(f"{proxy}/metrics", headers=headers).text
+
+
+def test_exact_counts_after_a_known_workload(fake: tuple[FakeUpstream, str]) -> None:
+    _, url = fake
+    n, k = 4, 6
+    rec = RecordingObserver()
+    with run_proxy(make_settings(("fake", url)), rec) as proxy, httpx.Client() as c:
+        for i in range(n):
+            r = c.post(
+                f"{proxy}/v1/chat/completions",
+                json={**CHAT, "stream": True},
+                headers={"x-fake-events": str(k), "x-request-id": f"s{i}"},
+            )
+            assert r.status_code == 200
+        for i in range(2):
+            c.post(
+                f"{proxy}/v1/chat/completions",
+                json=CHAT,
+                headers={"x-fake-events": "3", "x-request-id": f"n{i}"},
+            )
+        wait_until(lambda: sum(rec.terminal_count(r) for r in rec.exchanges) == n + 2)
+        text = scrape(proxy)
+    m = {"model": "fake-model", "upstream": "fake"}
+    assert value(text, "infertap_time_to_first_token_seconds_count", **m) == n
+    assert value(text, "infertap_inter_token_latency_seconds_count", **m) == n * (k - 1)
+    assert value(text, "infertap_time_per_output_token_seconds_count", **m) == n
+    assert value(text, "infertap_completion_tokens_total", **m) == n * k + 2 * 3
+    assert value(text, "infertap_prompt_tokens_total", **m) == (n + 2) * 7
+    assert value(text, "infertap_requests_total", outcome="ok", stream="true", **m) == n
+    assert value(text, "infertap_requests_total", outcome="ok", stream="false", **m) == 2
+    assert value(text, "infertap_request_duration_seconds_count", stream="false", **m) == 2
+    assert value(text, "infertap_request_duration_seconds_count", stream="true", **m) == n
+    assert value(text, "infertap_time_to_first_byte_seconds_count", **m) == n + 2
+    assert value(text, "infertap_request_completion_tokens_count", **m) == n + 2
+    assert value(text, "infertap_requests_without_usage_total", **m) == 0
+    assert value(text, "infertap_upstream_attempts_total", upstream="fake", result="ok") == n + 2
+    assert value(text, "infertap_in_flight_requests", upstream="fake") == 0
+    assert value(text, "infertap_build_info") == 1
+    # TTFT per request lands in its prompt class, estimated from the body at arrival.
+    assert value(text, "infertap_time_to_first_token_seconds_count", prompt_class="<1k") == n
+
+
+def test_ttft_is_the_first_content_event_not_the_first_byte(fake: tuple[FakeUpstream, str]) -> None:
+    _, url = fake
+    with run_proxy(make_settings(("fake", url))) as proxy, httpx.Client() as c:
+        # The role-only chunk goes at once; content follows 300 ms later.
+        c.post(
+            f"{proxy}/v1/chat/completions", json={**CHAT, "stream": True}, headers={"x-fake-ttft-ms": "300"}
+        )
+        text = scrape(proxy)
+    assert value(text, "infertap_time_to_first_token_seconds_bucket", le="0.5") == 1
+    assert value(text, "infertap_time_to_first_token_seconds_bucket", le="0.25") == 0
+    assert value(text, "infertap_time_to_first_byte_seconds_bucket", le="0.25") == 1
+
+
+def test_usage_counted_whether_or_not_the_client_asked(fake: tuple[FakeUpstream, str]) -> None:
+    _, url = fake
+    with run_proxy(make_settings(("fake", url))) as proxy, httpx.Client() as c:
+        plain = c.post(f"{proxy}/v1/chat/completions", json={**CHAT, "stream": True}).content
+        asked = c.post(
+            f"{proxy}/v1/chat/completions",
+            json={**CHAT, "stream": True, "stream_options": {"include_usage": True}},
+        ).content
+        text = scrape(proxy)
+    assert plain.count(b'"choices":[]') == 0 and asked.count(b'"choices":[]') == 1
+    assert value(text, "infertap_completion_tokens_total") == 10
+    assert value(text, "infertap_requests_without_usage_total") == 0
+
+
+class _NoUsageUpstream(FakeUpstream):
+    """Like llama.cpp: ignores stream_options, never sends usage."""
+
+    async def _stream(self, rec, req, send, n, model):  # type: ignore[no-untyped-def]
+        req = {**req, "stream_options": None}
+        await super()._stream(rec, req, send, n, model)
+
+
+def test_missing_usage_counts_events_and_says_so() -> None:
+    from tests.conftest import serve_in_thread
+
+    with serve_in_thread(_NoUsageUpstream()) as url, run_proxy(make_settings(("fake", url + "/v1"))) as proxy:
+        httpx.post(
+            f"{proxy}/v1/chat/completions", json={**CHAT, "stream": True}, headers={"x-fake-events": "9"}
+        )
+        text = scrape(proxy)
+    assert value(text, "infertap_completion_tokens_total") == 9
+    assert value(text, "infertap_requests_without_usage_total") == 1
+
+
+def test_in_flight_returns_to_zero_after_a_storm(fake: tuple[FakeUpstream, str]) -> None:
+    _, url = fake
+    settings = make_settings(("fake", url))
+    settings.retry.max_attempts = 1
+    rec = RecordingObserver()
+    with run_proxy(settings, rec) as proxy:
+        with httpx.Client(timeout=httpx.Timeout(10, read=0.3)) as c:
+            for i, h in enumerate(
+                [
+                    {},
+                    {"x-fake-status": "500"},
+                    {"x-fake-cut": "1"},
+                    {"x-fake-no-done": "1"},
+                    {"x-fake-status": "429"},
+                ]
+            ):
+                c.post(
+                    f"{proxy}/v1/chat/completions",
+                    json={**CHAT, "stream": True},
+                    headers={**h, "x-request-id": f"r{i}"},
+                )
+            c.post(f"{proxy}/v1/chat/completions", content=b"nope", headers={"x-request-id": "bad"})
+            for where in ("before-headers", "after-first"):
+                with (
+                    pytest.raises(httpx.ReadTimeout),
+                    c.stream(
+                        "POST",
+                        f"{proxy}/v1/chat/completions",
+                        json={**CHAT, "stream": True},
+                        headers={"x-fake-hang": where, "x-request-id": where},
+                    ) as r,
+                ):
+                    for _ in r.iter_raw():
+                        pass
+        wait_until(lambda: all(rec.terminal_count(r) == 1 for r in rec.exchanges) and len(rec.exchanges) == 8)
+        text = scrape(proxy)
+    assert value(text, "infertap_in_flight_requests") == 0
+    outcomes = {lab["outcome"]: v for n, lab, v in samples(text) if n == "infertap_requests_total"}
+    assert outcomes == {
+        "ok": 1,
+        "upstream_error": 1,
+        "stream_interrupted": 2,
+        "rate_limited": 1,
+        "rejected": 1,
+        "client_disconnect": 2,
+    }
+
+
+def test_model_label_cardinality_is_capped(fake: tuple[FakeUpstream, str]) -> None:
+    _, url = fake
+    settings = make_settings(("fake", url))
+    settings.metrics.access_log = False
+    with run_proxy(settings) as proxy, httpx.Client() as c:
+        for i in range(1000):
+            c.post(f"{proxy}/v1/chat/completions", json={**CHAT, "model": f"made-up-{i}"})
+        text = scrape(proxy)
+    models = {lab["model"] for n, lab, _ in samples(text) if n == "infertap_requests_total"}
+    assert len(models) <= settings.metrics.max_models + 1 and "other" in models
+    assert value(text, "infertap_requests_total") == 1000
+
+
+def test_model_allow_list_from_upstream_patterns(fake: tuple[FakeUpstream, str]) -> None:
+    _, url = fake
+    settings = make_settings(("fake", url))
+    settings.upstreams[0].models = ["llama-*"]
+    with run_proxy(settings) as proxy, httpx.Client() as c:
+        c.post(f"{proxy}/v1/chat/completions", json={**CHAT, "model": "llama-3"})
+        c.post(f"{proxy}/v1/chat/completions", json={**CHAT, "model": "user-typo"})
+        text = scrape(proxy)
+    models = {lab["model"] for n, lab, _ in samples(text) if n == "infertap_requests_total"}
+    assert models == {"llama-3", "other"}
+
+
+class _TraceIds(Observer):
+    """Stands in for the tracing observer: gives each request a trace id."""
+
+    def request_received(self, ex: Exchange) -> None:
+        ex.trace_id = "0af7651916cd43dd8448eb211c80319c"
+
+
+def test_openmetrics_exposition_carries_exemplars(fake: tuple[FakeUpstream, str]) -> None:
+    _, url = fake
+    from proxy.app import create_app
+    from tests.conftest import serve_in_thread
+
+    settings = make_settings(("fake", url))
+    app = create_app(settings)
+    app.observers.observers.insert(0, _TraceIds())
+    app.observers.__init__(app.observers.observers)  # type: ignore[misc]
+    with serve_in_thread(app) as proxy, httpx.Client() as c:
+        c.post(f"{proxy}/v1/chat/completions", json={**CHAT, "stream": True})
+        om = c.get(f"{proxy}/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
+        plain = c.get(f"{proxy}/metrics")
+    assert om.headers["content-type"].startswith("application/openmetrics-text")
+    ttft_lines = [
+        ln for ln in om.text.splitlines() if ln.startswith("infertap_time_to_first_token_seconds_bucket")
+    ]
+    assert any('# {trace_id="0af7651916cd43dd8448eb211c80319c"}' in ln for ln in ttft_lines)
+    assert "trace_id" not in plain.text and plain.headers["content-type"].startswith("text/plain")
+
+
+def test_access_log_line_matches_the_histograms(
+    fake: tuple[FakeUpstream, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    _, url = fake
+    caplog.set_level(logging.INFO, logger="infertap.access")
+    with run_proxy(make_settings(("fake", url))) as proxy, httpx.Client() as c:
+        c.post(
+            f"{proxy}/v1/chat/completions",
+            json={**CHAT, "stream": True},
+            headers={"x-request-id": "acc-1", "x-fake-events": "8", "x-fake-gap-ms": "5"},
+        )
+        text = scrape(proxy)
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "infertap.access"]
+    assert len(lines) == 1
+    line = lines[0]
+    assert line["request_id"] == "acc-1" and line["outcome"] == "ok" and line["completion_tokens"] == 8
+    assert line["ttft_s"] == pytest.approx(value(text, "infertap_time_to_first_token_seconds_sum"), abs=1e-6)
+    assert line["tpot_s"] == pytest.approx(
+        value(text, "infertap_time_per_output_token_seconds_sum"), abs=1e-6
+    )
+    assert line["duration_s"] == pytest.approx(value(text, "infertap_request_duration_seconds_sum"), abs=1e-6)
+    assert line["ttfb_s"] == pytest.approx(value(text, "infertap_time_to_first_byte_seconds_sum"), abs=1e-6)
+    assert "hello" not in json.dumps(line)  # never prompt text
+
+
+def test_every_documented_metric_name_is_exposed(fake: tuple[FakeUpstream, str]) -> None:
+    _, url = fake
+    names_file = os.path.join(os.path.dirname(__file__), "..", "deploy", "metric_names.txt")
+    with run_proxy(make_settings(("fake", url))) as proxy, httpx.Client() as c:
+        c.post(f"{proxy}/v1/chat/completions", json={**CHAT, "stream": True})
+        text = scrape(proxy)
+    exposed = {n for n, _, _ in samples(text)} | {
+        line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")
+    }
+    with open(names_file) as fh:
+        documented = {ln.strip() for ln in fh if ln.strip() and not ln.startswith("#")}
+    assert documented <= exposed, sorted(documented - exposed)
+
+
+@pytest.mark.skipif(
+    shutil.which("promtool") is None and os.environ.get("CI") != "true",
+    reason="promtool not installed (Debian package prometheus; scripts/test installs it)",
+)
+def test_promtool_check_metrics(fake: tuple[FakeUpstream, str]) -> None:
+    _, url = fake
+    with run_proxy(make_settings(("fake", url))) as proxy, httpx.Client() as c:
+        c.post(f"{proxy}/v1/chat/completions", json={**CHAT, "stream": True})
+        c.post(f"{proxy}/v1/chat/completions", json=CHAT)
+        text = scrape(proxy)
+    result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_workers_aggregate_metrics(fake: tuple[FakeUpstream, str], tmp_path: os.PathLike[str]) -> None:
+    _, url = fake
+    port = _free_port()
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "proxy",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "2",
+            "--upstream",
+            f"fake={url}",
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"{base}/healthz").status_code == 200
+            except httpx.HTTPError:
+                return proc.poll() is not None
+
+        wait_until(up, 30, "the 2-worker proxy")
+        assert proc.poll() is None
+        n = 40
+        with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as c:
+            for _ in range(n):
+                assert c.post(f"{base}/v1/chat/completions", json={**CHAT, "stream": True}).status_code == 200
+            for _ in range(6):
+                text = c.get(f"{base}/metrics").text
+                assert value(text, "infertap_requests_total", outcome="ok") == n
+                assert value(text, "infertap_time_to_first_token_seconds_count") == n
+                gauges = [lab for nm, lab, _ in samples(text) if nm == "infertap_in_flight_requests"]
+                assert len(gauges) == len({tuple(sorted(g.items())) for g in gauges}), (
+                    "gauge duplicated per pid"
+                )
+                assert all("pid" not in g for g in gauges)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
