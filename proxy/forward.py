@@ -93,7 +93,7 @@ def _request_id(scope: Scope) -> str:
     given = header(scope, b"x-request-id")
     if given and len(given) <= _MAX_REQUEST_ID and given.isprintable():
         return given
-    return uuid.uuid4().hex
+    return str(uuid.uuid4())
 
 
 def _prompt_chars(obj: dict[str, Any]) -> int:

@@ -176,6 +176,8 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=(args.log_level or "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # httpx logs every request at INFO: the access log already says it, once, without URLs' noise.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         settings = resolve_settings(args)
         if settings.upstreams:

@@ -60,6 +60,8 @@ _TIMEOUTS = frozenset(
     {Outcome.CONNECT_TIMEOUT, Outcome.TTFT_TIMEOUT, Outcome.IDLE_TIMEOUT, Outcome.TOTAL_TIMEOUT}
 )
 _MAX_DESCRIPTION = 512
+# Proposed Exchange field: how many characters of the answer the core should collect.
+_CAPTURE_FIELD = "capture_output_chars"
 
 
 # -- setup --------------------------------------------------------------------------------------
@@ -320,6 +322,9 @@ class TracingObserver(Observer):
         if ctx.trace_flags.sampled:
             ex.trace_id = format(ctx.trace_id, "032x")
         ex.scratch[self.name] = _State(span, name, attrs)
+        if self.capture_content and hasattr(ex, _CAPTURE_FIELD):
+            # One character over the cap, so that cutting the answer shows as truncated.
+            setattr(ex, _CAPTURE_FIELD, max(getattr(ex, _CAPTURE_FIELD), self.content_max_chars + 1))
 
     def attempt_started(self, ex: Exchange) -> None:
         st: _State | None = ex.scratch.get(self.name)

@@ -187,6 +187,7 @@ class Engine:
 
     def _commit(self, work: list[tuple[Sequence, int]]) -> None:
         now = time.monotonic()
+        self.stats.step(sum(n for _, n in work))
         generated = 0
         for seq, n in work:
             if seq.state is not State.RUNNING:  # aborted while the step ran

@@ -19,6 +19,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                10.0, 20.0, 40.0, 80.0)  # fmt: skip
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                            60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+# vLLM derives these from its CUDA-graph sizes; a fixed power-of-two ladder serves the sim.
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISHED_REASONS = ("stop", "length", "abort")
 
 
@@ -44,6 +46,11 @@ class SimMetrics:
         )
         self.itl = histogram(
             "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            ITERATION_TOKENS_BUCKETS,
         )
         lat = REQUEST_LATENCY_BUCKETS
         self.e2e = histogram(
@@ -88,6 +95,9 @@ class SimMetrics:
         self.kv_usage.set_function(lambda: engine.kv_usage)
 
     # -- EngineStats ------------------------------------------------------------------------------
+
+    def step(self, tokens: int) -> None:
+        self.iteration_tokens.observe(tokens)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

@@ -194,12 +194,19 @@ def add_target_arguments(parser: argparse.ArgumentParser, *, base_url_flag: bool
         "--prompt-file", action="append", metavar="FILE", help="a file whose text is one prompt; repeatable"
     )
     g.add_argument("--max-tokens", type=int, help=f"max_tokens per request (default: {DEFAULT_MAX_TOKENS})")
-    g.add_argument("--timeout-connect", type=float, metavar="S", help="connect timeout, seconds (default: 10)")
     g.add_argument(
-        "--timeout-read", type=float, metavar="S", help="longest silence while streaming, seconds (default: 120)"
+        "--timeout-connect", type=float, metavar="S", help="connect timeout, seconds (default: 10)"
+    )
+    g.add_argument(
+        "--timeout-read",
+        type=float,
+        metavar="S",
+        help="longest silence while streaming, seconds (default: 120)",
     )
     g.add_argument("--retries", type=int, help="retries after a failed attempt (default: 2, i.e. 3 attempts)")
-    g.add_argument("--backoff", type=float, metavar="S", help="first retry delay, doubled each time (default: 2)")
+    g.add_argument(
+        "--backoff", type=float, metavar="S", help="first retry delay, doubled each time (default: 2)"
+    )
     g.add_argument(
         "--no-usage",
         action="store_true",
@@ -218,14 +225,18 @@ def target_from_args(
     s = load_client_settings(args.settings) if args.settings else {}
     params: dict[str, Any] = dict(s.get("default_params", {}))
     if params.pop("stream", True) is not True and notes is not None:
-        notes.append("settings default_params.stream is not true: requests stream anyway (TTFT needs a stream)")
+        notes.append(
+            "settings default_params.stream is not true: requests stream anyway (TTFT needs a stream)"
+        )
     params.pop("stream_options", None)
     params.pop("model", None)
     params.pop("messages", None)
     max_tokens = params.pop("max_tokens", DEFAULT_MAX_TOKENS)
     timeout, retry = s.get("timeout", {}), s.get("retry", {})
 
-    base_url = getattr(args, "base_url", None) or s.get("base_url") or env.get(BASE_URL_ENV) or DEFAULT_BASE_URL
+    base_url = (
+        getattr(args, "base_url", None) or s.get("base_url") or env.get(BASE_URL_ENV) or DEFAULT_BASE_URL
+    )
     target = Target(
         base_url=base_url,
         model=args.model or s.get("model"),
@@ -455,7 +466,7 @@ def _describe_exception(
         return "connect_timeout", f"connecting to {where} timed out"
     if isinstance(e, httpx.ConnectError):
         reason = str(e) or type(e).__name__
-        if "refused" in reason.lower():
+        if _caused_by(e, ConnectionRefusedError) or "refused" in reason.lower():
             reason = "connection refused: is the server running?"
         return "connect_error", f"cannot connect to {where} ({reason})"
     if isinstance(e, httpx.ReadTimeout):
@@ -474,6 +485,17 @@ def _describe_exception(
             return "stream_interrupted", f"{where} closed the stream before any output"
         return "connect_error", f"{where} closed the connection ({type(e).__name__})"
     return "protocol_error", f"{where}: {type(e).__name__}: {e}"
+
+
+def _caused_by(e: BaseException, kind: type[BaseException]) -> bool:
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, kind):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 # -- many requests ----------------------------------------------------------------------------

@@ -92,6 +92,8 @@ def _check_dtypes(engine: str, cfg: SimConfig, warn: Callable[[str], None]) -> N
 
 def _common_warnings(engine: str, cfg: SimConfig, warn: Callable[[str], None]) -> None:
     name = {"vllm": "vLLM", "sglang": "SGLang", "lmdeploy": "LMDeploy"}[engine]
+    if cfg.model.name == "your-model-name":
+        warn("model.name is the seed's placeholder: set it to a model path or Hugging Face id")
     if not cfg.kv_cache.enable:
         warn(
             f"kv_cache.enable=false: {name} has no flag to run without a KV cache (paged KV is how it "
@@ -114,7 +116,12 @@ def vllm_plan(cfg: SimConfig, *, prefix_caching_off: bool = False) -> LaunchPlan
     plan.argv += ["--gpu-memory-utilization", _num(m.gpu_memory_utilization)]
     plan.argv += ["--block-size", str(kv.block_size), "--num-gpu-blocks-override", str(kv.num_gpu_blocks)]
     plan.argv += ["--kv-cache-dtype", kv.cache_dtype]
-    plan.argv += ["--max-num-seqs", str(b.max_num_seqs), "--max-num-batched-tokens", str(b.max_num_batched_tokens)]
+    plan.argv += [
+        "--max-num-seqs",
+        str(b.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(b.max_num_batched_tokens),
+    ]
     plan.argv.append("--enable-chunked-prefill" if pf.chunked_prefill else "--no-enable-chunked-prefill")
     if prefix_caching_off:
         plan.argv.append("--no-enable-prefix-caching")
@@ -123,7 +130,10 @@ def vllm_plan(cfg: SimConfig, *, prefix_caching_off: bool = False) -> LaunchPlan
     plan.argv += ["--override-generation-config", json.dumps(gen, separators=(",", ":"))]
     _check_dtypes("vllm", cfg, warn)
     if kv.block_size > 32:
-        warn(f"kv_cache.block_size={kv.block_size}: vLLM's CUDA attention backends document block sizes up to 32")
+        warn(
+            f"kv_cache.block_size={kv.block_size}: vLLM's CUDA attention backends document block "
+            "sizes up to 32"
+        )
     warn(
         f"kv_cache.swap_space_gb={_num(kv.swap_space_gb)}: not passed: vLLM's V1 engine preempts by "
         "recomputation and ignores --swap-space, and vLLM 0.18 removed the flag"
@@ -138,12 +148,19 @@ def vllm_plan(cfg: SimConfig, *, prefix_caching_off: bool = False) -> LaunchPlan
 
 def sglang_plan(cfg: SimConfig, *, prefix_caching_off: bool = False) -> LaunchPlan:
     m, kv, b, pf = cfg.model, cfg.kv_cache, cfg.batching, cfg.prefill
-    plan = LaunchPlan(["python", "-m", "sglang.launch_server", "--model-path", m.name], _request_defaults(cfg))
+    plan = LaunchPlan(
+        ["python", "-m", "sglang.launch_server", "--model-path", m.name], _request_defaults(cfg)
+    )
     warn = plan.warnings.append
     plan.argv += ["--host", cfg.server.host, "--port", str(cfg.server.port)]
     plan.argv += ["--dtype", m.dtype, "--context-length", str(m.max_model_len)]
     plan.argv += ["--mem-fraction-static", _num(m.gpu_memory_utilization)]
-    plan.argv += ["--page-size", str(kv.block_size), "--max-total-tokens", str(kv.num_gpu_blocks * kv.block_size)]
+    plan.argv += [
+        "--page-size",
+        str(kv.block_size),
+        "--max-total-tokens",
+        str(kv.num_gpu_blocks * kv.block_size),
+    ]
     plan.argv += ["--kv-cache-dtype", kv.cache_dtype]
     plan.argv += ["--max-running-requests", str(b.max_num_seqs)]
     plan.argv += ["--max-prefill-tokens", str(b.max_num_batched_tokens)]
@@ -168,7 +185,12 @@ def lmdeploy_plan(cfg: SimConfig, *, prefix_caching_off: bool = False) -> Launch
     plan.argv += ["--dtype", m.dtype, "--session-len", str(m.max_model_len)]
     plan.argv += ["--cache-max-entry-count", _num(m.gpu_memory_utilization)]
     plan.argv += ["--cache-block-seq-len", str(kv.block_size)]
-    plan.argv += ["--max-batch-size", str(b.max_num_seqs), "--max-prefill-token-num", str(b.max_num_batched_tokens)]
+    plan.argv += [
+        "--max-batch-size",
+        str(b.max_num_seqs),
+        "--max-prefill-token-num",
+        str(b.max_num_batched_tokens),
+    ]
     policy = _LMDEPLOY_QUANT_POLICY.get(kv.cache_dtype)
     if policy is None:
         warn(
@@ -189,7 +211,9 @@ def lmdeploy_plan(cfg: SimConfig, *, prefix_caching_off: bool = False) -> Launch
         f"model.gpu_memory_utilization={_num(m.gpu_memory_utilization)} became --cache-max-entry-count: in "
         "LMDeploy that is the share of the memory left free after the weights that the KV cache takes"
     )
-    warn(f"kv_cache.num_gpu_blocks={kv.num_gpu_blocks}: LMDeploy's api_server has no flag for the block count")
+    warn(
+        f"kv_cache.num_gpu_blocks={kv.num_gpu_blocks}: LMDeploy's api_server has no flag for the block count"
+    )
     warn(f"kv_cache.swap_space_gb={_num(kv.swap_space_gb)}: LMDeploy's api_server has no swap-space flag")
     warn(
         f"prefill.chunked_prefill/max_prefill_tokens={pf.max_prefill_tokens}: LMDeploy has no flags for "

@@ -55,8 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_target_arguments(parser)
     run = parser.add_argument_group("load")
-    run.add_argument("-n", "--requests", type=int, default=1, metavar="N", help="requests to send (default: 1)")
-    run.add_argument("-c", "--concurrency", type=int, default=1, metavar="C", help="requests in flight (default: 1)")
+    run.add_argument(
+        "-n", "--requests", type=int, default=1, metavar="N", help="requests to send (default: 1)"
+    )
+    run.add_argument(
+        "-c", "--concurrency", type=int, default=1, metavar="C", help="requests in flight (default: 1)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object (schema: docs/tools.md)")
     return parser
 
@@ -231,17 +235,25 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("infertap probe: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a bug of ours: one line, not a traceback
+        print(f"infertap probe: unexpected error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     report = run_json(target, results, wall, args.concurrency)
     if args.json:
         print(json.dumps(report, indent=2, ensure_ascii=False))
-    elif len(results) == 1 and results[0].ok:
-        print(format_single(results[0]))
+    elif len(results) == 1:
+        if results[0].ok:
+            print(format_single(results[0]))
     else:
         print(format_run(report))
     failed = [r for r in results if not r.ok]
-    if failed and (args.json or len(results) == 1):
+    if len(failed) == 1 and len(results) == 1:
         print(f"infertap probe: {failed[0].error}", file=sys.stderr)
-    counts = Counter(r.error_kind for r in failed)
-    if failed and len(results) > 1:
-        print(f"infertap probe: {len(failed)} of {len(results)} requests failed ({dict(counts)})", file=sys.stderr)
+    elif failed:
+        kinds = ", ".join(f"{k} x{n}" for k, n in Counter(r.error_kind for r in failed).items())
+        print(
+            f"infertap probe: {len(failed)} of {len(results)} requests failed ({kinds}); "
+            f"first: {failed[0].error}",
+            file=sys.stderr,
+        )
     return 1 if failed else 0
