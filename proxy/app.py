@@ -19,11 +19,13 @@ import orjson
 from proxy import __version__
 from proxy.accesslog import AccessLog
 from proxy.asgi import Receive, Scope, Send, error_body, header, send_error, send_json
-from proxy.forward import Forwarder, display_url
+from proxy.forward import Forwarder
 from proxy.metrics import CollectorRegistry, Metrics
 from proxy.observer import Observer, ObserverSet
+from proxy.request import display_url
 from proxy.settings import Settings
-from proxy.upstream import RetryPolicy, Router, Upstream, describe, make_client
+from proxy.tracing import build_tracing
+from proxy.upstream import Router, Upstream, describe, make_client
 
 log = logging.getLogger("infertap.app")
 
@@ -68,9 +70,9 @@ class InfertapApp:
             router,
             client,
             self.observers,
-            RetryPolicy.from_settings(self.settings.retry),
             self.settings.server.max_body_bytes,
             tuple(self.settings.metrics.prompt_class_bounds),
+            self.settings.server.max_concurrency,
         )
         self._runtime = _Runtime(client, router, forwarder)
         for up in router.upstreams:
@@ -231,11 +233,7 @@ def create_app(
     """The proxy app. Observers run in order: tracing (it sets the trace id that metrics use as
     an exemplar), metrics, the access log, then `observers`."""
     chain: list[Observer] = []
-    try:  # TODO(lead): plain import once proxy/tracing.py lands
-        from proxy.tracing import build_tracing  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        build_tracing = None
-    tracer = build_tracing(settings) if build_tracing is not None else None
+    tracer = build_tracing(settings)
     if tracer is not None:
         chain.append(tracer)
     collector = Metrics(settings, registry) if metrics else None

@@ -1,136 +1,55 @@
-"""The streaming core: parse the request, try upstreams, relay bytes, fire exactly one terminal hook.
+"""The streaming core: attempts across upstreams, commit, relay, exactly one terminal hook.
 
 No Prometheus and no OpenTelemetry here (lint enforces it): observers turn the Exchange into those.
+
+Nothing reaches the client before an attempt is committed. A generation stream is committed at
+its first output event (not at the upstream's headers), so an upstream that stalls or breaks
+before the first token is retried, or replaced by a fallback, without the client noticing.
 """
 
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import logging
 import time
-import uuid
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import orjson
 
-from proxy.asgi import (
-    BodyTooLarge,
-    ClientGone,
-    RawHeaders,
-    Receive,
-    Scope,
-    Send,
-    header,
-    read_body,
-    send_error,
-)
+from proxy.asgi import BodyTooLarge, ClientGone, RawHeaders, Receive, Scope, Send, read_body, send_error
 from proxy.exchange import Exchange, Outcome, prompt_class
 from proxy.observer import ObserverSet
-from proxy.sse import SSEScanner, StreamFacts, absorb_response, error_event
-from proxy.upstream import RETRYABLE_STATUS, ErrorKind, RetryPolicy, Router, Upstream, classify, describe
+from proxy.relay import relay_body, relay_sse, response_headers, stamp_outputs, status_outcome, take_facts
+from proxy.request import (
+    DROP_REQUEST,
+    GENERATION_ROUTES,
+    JSON_ROUTES,
+    RequestRejected,
+    display_url,
+    parse_request,
+    prompt_chars,
+    request_id,
+    retry_after,
+)
+from proxy.sse import SSEScanner, StreamFacts, error_event
+from proxy.upstream import RETRYABLE_STATUS, ErrorKind, Router, Upstream, classify, describe
 
 log = logging.getLogger("infertap.forward")
 
-# Routes whose JSON body names a model and whose streams end with `data: [DONE]`.
-GENERATION_ROUTES = frozenset({"chat.completions", "completions"})
-JSON_ROUTES = GENERATION_ROUTES | {"embeddings"}
-
-_HOP_BY_HOP = frozenset(
+# Failures that say the upstream is unwell (they count towards its circuit breaker).
+_UNHEALTHY = frozenset(
     {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
+        ErrorKind.CONNECT_ERROR,
+        ErrorKind.CONNECT_TIMEOUT,
+        ErrorKind.TTFT_TIMEOUT,
+        ErrorKind.READ_ERROR,
+        ErrorKind.UPSTREAM_5XX,
+        ErrorKind.IDLE_TIMEOUT,
     }
 )
-# Never forwarded upstream: credentials (infertap adds the upstream's own) and what httpx sets.
-_DROP_REQUEST = _HOP_BY_HOP | {
-    "host",
-    "content-length",
-    "authorization",
-    "api-key",
-    "x-api-key",
-    "cookie",
-    "accept-encoding",
-    "x-request-id",
-    "traceparent",
-    "tracestate",
-}
-_DROP_RESPONSE = frozenset(
-    h.encode() for h in _HOP_BY_HOP | {"date", "server", "x-request-id", "content-length"}
-)
-_MAX_REQUEST_ID = 128
-_MAX_JSON_CAPTURE = 8 * 1024 * 1024
-
-_TIMEOUT_STATUS = {
-    ErrorKind.CONNECT_TIMEOUT: 504,
-    ErrorKind.TTFT_TIMEOUT: 504,
-    ErrorKind.IDLE_TIMEOUT: 504,
-    ErrorKind.TOTAL_TIMEOUT: 504,
-}
-_RETRYABLE_KINDS = frozenset({ErrorKind.CONNECT_ERROR, ErrorKind.CONNECT_TIMEOUT, ErrorKind.TTFT_TIMEOUT})
-
-
-def display_url(url: str) -> str:
-    """The URL without user info or query: safe for logs and error messages."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, "", ""))
-
-
-def _request_id(scope: Scope) -> str:
-    given = header(scope, b"x-request-id")
-    if given and len(given) <= _MAX_REQUEST_ID and given.isprintable():
-        return given
-    return str(uuid.uuid4())
-
-
-def _prompt_chars(obj: dict[str, Any]) -> int:
-    """Characters of prompt text, for the prompt size class (exact tokens come later, from usage)."""
-    total = 0
-    messages = obj.get("messages")
-    if isinstance(messages, list):
-        for m in messages:
-            if isinstance(m, dict):
-                content = m.get("content")
-                if isinstance(content, str):
-                    total += len(content)
-                elif isinstance(content, list):
-                    for part in content:
-                        if isinstance(part, dict) and isinstance(part.get("text"), str):
-                            total += len(part["text"])
-    prompt = obj.get("prompt", obj.get("input"))
-    if isinstance(prompt, str):
-        total += len(prompt)
-    elif isinstance(prompt, list):
-        total += sum(len(p) for p in prompt if isinstance(p, str))
-    return total
-
-
-def _retry_after(resp: httpx.Response) -> float | None:
-    value = resp.headers.get("retry-after")
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
 
 
 @dataclass(slots=True)
@@ -139,50 +58,34 @@ class _Call:
 
     ex: Exchange
     upstream: Upstream
-    url: str
+    suffix: str
     headers: dict[str, str]
     body: bytes
     original_body: bytes
     rid: RawHeaders
+    committed: bool = False
 
 
 @dataclass(slots=True)
-class ParsedRequest:
-    body: bytes
-    obj: dict[str, Any] | None
+class _Ready:
+    """An attempt whose answer will be relayed."""
+
+    resp: httpx.Response
+    chunks: AsyncIterator[bytes]
+    scanner: SSEScanner | None = None
+    pending: list[bytes] = field(default_factory=list)
+    outputs: int = 0
+    prefetched: bytes | None = None
 
 
-class RequestRejected(Exception):
-    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
+@dataclass(slots=True)
+class _Failure:
+    """An attempt that failed before anything was sent to the client."""
 
-
-def parse_request(route: str, body: bytes) -> ParsedRequest:
-    """Validate what infertap itself must understand; everything else is the upstream's business."""
-    if route not in JSON_ROUTES:
-        return ParsedRequest(body, None)
-    if not body.strip():
-        raise RequestRejected(400, "the request body is empty: send a JSON object", "invalid_json")
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise RequestRejected(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
-    if not isinstance(obj, dict):
-        kind = type(obj).__name__
-        raise RequestRejected(400, f"the request body must be a JSON object, got {kind}", "invalid_json")
-    model = obj.get("model")
-    if not isinstance(model, str) or not model:
-        raise RequestRejected(
-            400, "'model' is required and must be a non-empty string", "missing_model", "model"
-        )
-    stream = obj.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestRejected(400, "'stream' must be true or false", "invalid_stream", "stream")
-    return ParsedRequest(body, obj)
+    kind: ErrorKind
+    status: int
+    message: str
+    wait: float | None = None
 
 
 class Forwarder:
@@ -191,47 +94,56 @@ class Forwarder:
         router: Router,
         client: httpx.AsyncClient,
         observers: ObserverSet,
-        retry: RetryPolicy,
         max_body_bytes: int,
         prompt_class_bounds: tuple[int, ...] = (1024, 4096, 16384),
+        max_concurrency: int = 0,
     ) -> None:
         self.router = router
         self.client = client
         self.observers = observers
-        self.retry = retry
         self.max_body_bytes = max_body_bytes
         self.prompt_class_bounds = prompt_class_bounds
+        self.max_concurrency = max_concurrency
+        self.active = 0
         # Upstreams that answered 400 to stream_options: infertap stops injecting it there.
         self.no_stream_options: set[str] = set()
 
+    # -- request intake ---------------------------------------------------------------------
     async def handle(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
-        ex = Exchange(_request_id(scope), route, scope["method"], scope["path"])
+        ex = Exchange(request_id(scope), route, scope["method"], scope["path"])
         for key, value in scope["headers"]:
             if key == b"traceparent" or key == b"tracestate":
                 ex.trace_context[key.decode()] = value.decode("latin-1")
         rid = [(b"x-request-id", ex.request_id.encode())]
+        if self.max_concurrency and self.active >= self.max_concurrency:
+            await self._reject(
+                send,
+                ex,
+                rid,
+                429,
+                f"infertap is at its limit of {self.max_concurrency} concurrent requests: retry shortly",
+                "too_many_requests",
+                extra=[(b"retry-after", b"1")],
+            )
+            return
         try:
             body = await read_body(receive, self.max_body_bytes)
         except ClientGone:
             return
         except BodyTooLarge:
-            self.observers.request_received(ex)
             msg = f"the request body is larger than the limit of {self.max_body_bytes} bytes"
-            await send_error(send, 413, msg, Outcome.REJECTED, "request_too_large", rid)
-            self._end(ex, Outcome.REJECTED, 413, msg)
+            await self._reject(send, ex, rid, 413, msg, "request_too_large")
             return
         try:
             parsed = parse_request(route, body)
         except RequestRejected as e:
-            self.observers.request_received(ex)
-            await send_error(send, e.status, e.message, "invalid_request_error", e.code, rid, e.param)
-            self._end(ex, Outcome.REJECTED, e.status, e.message)
+            await self._reject(send, ex, rid, e.status, e.message, e.code, e.param)
             return
         obj = parsed.obj
         if obj is not None:
             ex.model = obj["model"]
             ex.stream = obj.get("stream") is True
-            ex.prompt_chars = _prompt_chars(obj)
+            ex.prompt_chars = prompt_chars(obj)
             ex.prompt_class = prompt_class(ex.estimated_prompt_tokens, self.prompt_class_bounds)
             ex.params = {
                 k: obj[k] for k in ("max_tokens", "max_completion_tokens", "temperature", "top_p") if k in obj
@@ -241,14 +153,36 @@ class Forwarder:
         ex.upstream_url = display_url(upstream.base_url)
         if obj is not None and ex.stream and route in GENERATION_ROUTES:
             body = self._maybe_inject_usage(ex, obj, upstream, body)
+        suffix = scope["path"][3:]
+        if scope.get("query_string"):
+            suffix += "?" + scope["query_string"].decode("latin-1")
+        headers = {}
+        for k, v in scope["headers"]:
+            name = k.decode("latin-1")
+            if name not in DROP_REQUEST:
+                headers[name] = v.decode("latin-1")
+        call = _Call(ex, upstream, suffix, headers, body, parsed.body, rid)
         self.observers.request_received(ex)
-        headers = self._upstream_headers(scope, ex, upstream)
-        target = upstream.url(
-            scope["path"][3:]
-            + (f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else "")
-        )
-        call = _Call(ex, upstream, target, headers, body, parsed.body, rid)
-        await self._guarded(receive, send, call)
+        self.active += 1
+        try:
+            await self._guarded(receive, send, call)
+        finally:
+            self.active -= 1
+
+    async def _reject(
+        self,
+        send: Send,
+        ex: Exchange,
+        rid: RawHeaders,
+        status: int,
+        message: str,
+        code: str,
+        param: str | None = None,
+        extra: RawHeaders | None = None,
+    ) -> None:
+        self.observers.request_received(ex)
+        await send_error(send, status, message, "invalid_request_error", code, rid + (extra or []), param)
+        self._end(ex, Outcome.REJECTED, status, message)
 
     def _maybe_inject_usage(self, ex: Exchange, obj: dict[str, Any], up: Upstream, body: bytes) -> bytes:
         opts = obj.get("stream_options")
@@ -257,9 +191,7 @@ class Forwarder:
         if up.name in self.no_stream_options or (opts is not None and not isinstance(opts, dict)):
             return body
         ex.usage_injected = True
-        new = dict(obj)
-        new["stream_options"] = {**(opts or {}), "include_usage": True}
-        return orjson.dumps(new)
+        return orjson.dumps({**obj, "stream_options": {**(opts or {}), "include_usage": True}})
 
     def _end(
         self, ex: Exchange, outcome: Outcome, status: int | None = None, error: str | None = None
@@ -280,11 +212,12 @@ class Forwarder:
         else:
             self.observers.failed(ex)
 
+    # -- the request's lifetime: disconnects and the total deadline -------------------------
     async def _guarded(self, receive: Receive, send: Send, call: _Call) -> None:
         """Runs the exchange while a watcher cancels it the moment the client goes away.
 
         The cancellation reaches whatever is awaited (connect, the wait for headers, a read),
-        and leaving `client.send`'s response unread closes the upstream connection.
+        and an upstream response left unread is closed, which closes its connection.
         """
         task = asyncio.current_task()
         assert task is not None
@@ -299,8 +232,26 @@ class Forwarder:
 
         ex = call.ex
         watcher = asyncio.create_task(watch())
+        total = call.upstream.total_timeout
         try:
-            await self._exchange(send, call, watcher)
+            async with asyncio.timeout(
+                None if total is None else total - (time.perf_counter() - ex.received_at)
+            ):
+                await self._exchange(send, call, watcher)
+        except TimeoutError:
+            msg = f"the request took longer than the total timeout of {total} s"
+            if call.committed:
+                watcher.cancel()
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "more_body": False,
+                        "body": error_event(msg, Outcome.TOTAL_TIMEOUT.value),
+                    }
+                )
+            else:
+                await send_error(send, 504, msg, Outcome.TOTAL_TIMEOUT.value, "total_timeout", call.rid)
+            self._end(ex, Outcome.TOTAL_TIMEOUT, 504, msg)
         except asyncio.CancelledError:
             if not gone:
                 self._end(ex, Outcome.CLIENT_DISCONNECT, error="infertap is shutting down")
@@ -314,18 +265,57 @@ class Forwarder:
         finally:
             watcher.cancel()
 
-    def _upstream_headers(self, scope: Scope, ex: Exchange, upstream: Upstream) -> dict[str, str]:
-        headers = {}
-        for k, v in scope["headers"]:
-            name = k.decode("latin-1")
-            if name not in _DROP_REQUEST:
-                headers[name] = v.decode("latin-1")
-        headers.update(upstream.headers)
-        headers["accept-encoding"] = "identity"
-        headers["x-request-id"] = ex.request_id
-        if upstream.api_key:
-            headers["authorization"] = f"Bearer {upstream.api_key}"
-        return headers
+    # -- attempts, fallback, circuit --------------------------------------------------------
+    async def _exchange(self, send: Send, call: _Call, watcher: asyncio.Task[None]) -> None:
+        ex = call.ex
+        now = time.monotonic()
+        plan = [up for up in self.router.plan(call.upstream) if up.breaker.allow(now)]
+        if not plan:
+            msg = (
+                f"upstream '{call.upstream.name}' is failing and its circuit is open; "
+                "infertap will probe it again after the cool-down"
+            )
+            await send_error(
+                send,
+                503,
+                msg,
+                Outcome.UPSTREAM_ERROR.value,
+                "circuit_open",
+                call.rid + [(b"retry-after", b"5")],
+            )
+            self._end(ex, Outcome.UPSTREAM_ERROR, 503, msg)
+            return
+        failure: _Failure | None = None
+        for i, up in enumerate(plan):
+            policy = up.retry
+            for attempt in range(1, policy.max_attempts + 1):
+                last = i == len(plan) - 1 and attempt == policy.max_attempts
+                result = await self._attempt(call, up, last)
+                if isinstance(result, _Ready):
+                    self._health(ex, up, result.resp.status_code < 500)
+                    await self._commit(send, call, result, watcher)
+                    return
+                failure = result
+                self._health(ex, up, failure.kind not in _UNHEALTHY)
+                if last:
+                    break
+                if attempt < policy.max_attempts:
+                    wait = policy.backoff(attempt) if failure.wait is None else failure.wait
+                    await self._backoff(ex, failure.kind.value, min(wait, policy.max_backoff_seconds))
+                else:
+                    await self._backoff(ex, failure.kind.value, 0.0)  # on to the fallback
+        assert failure is not None
+        await send_error(
+            send, failure.status, failure.message, failure.kind.value, failure.kind.value, call.rid
+        )
+        self._end(ex, Outcome(failure.kind.value), failure.status, failure.message)
+
+    def _health(self, ex: Exchange, up: Upstream, ok: bool) -> None:
+        changed = up.breaker.success() if ok else up.breaker.failure(time.monotonic())
+        if changed:
+            state = "closed (upstream back)" if ok else "open (upstream skipped)"
+            log.warning("upstream %s: circuit %s", up.name, state)
+            self.observers.upstream_health(ex, up.name, ok)
 
     async def _backoff(self, ex: Exchange, reason: str, delay: float) -> None:
         ex.retries += 1
@@ -333,118 +323,154 @@ class Forwarder:
         if delay > 0:
             await asyncio.sleep(delay)
 
-    async def _connect(self, send: Send, call: _Call) -> tuple[httpx.Response, bytes | None] | None:
-        """Attempts until an upstream answers with headers that will be relayed.
+    def _headers_for(self, call: _Call, up: Upstream) -> dict[str, str]:
+        headers = dict(call.headers)
+        headers.update(up.headers)
+        headers["accept-encoding"] = "identity"
+        headers["x-request-id"] = call.ex.request_id
+        if up.api_key:
+            headers["authorization"] = f"Bearer {up.api_key}"
+        return headers
 
-        Returns the response (and its body when it had to be read already), or None when the
-        request has been answered with an error and ended. Nothing is sent to the client before
-        this returns, which is what makes retrying safe.
-        """
-        ex, policy, obs = call.ex, self.retry, self.observers
-        attempt = 0
-        while True:
-            attempt += 1
-            ex.attempts += 1
-            ex.upstream_headers = dict(call.headers)
-            ex.attempt_started_at = time.perf_counter()
-            obs.attempt_started(ex)
-            request = self.client.build_request(
-                ex.method, call.url, headers=ex.upstream_headers, content=call.body or None
-            )
-            try:
-                resp = await self.client.send(request, stream=True)
-            except httpx.HTTPError as e:
-                kind = classify(e)
-                if kind is ErrorKind.IDLE_TIMEOUT:
-                    kind = ErrorKind.TTFT_TIMEOUT  # no headers yet: still waiting for the first token
-                if kind in _RETRYABLE_KINDS and attempt < policy.max_attempts:
-                    await self._backoff(ex, kind.value, policy.backoff(attempt))
-                    continue
-                status = _TIMEOUT_STATUS.get(kind, 502)
-                what = "did not answer in time" if status == 504 else "is unreachable"
-                msg = (
-                    f"upstream '{call.upstream.name}' ({ex.upstream_url}) {what} after "
-                    f"{attempt} attempt(s): {describe(e)}"
-                )
-                await send_error(send, status, msg, kind.value, kind.value, call.rid)
-                self._end(ex, Outcome(kind.value), status, msg)
-                return None
-            ex.status_code = resp.status_code
-            ex.first_byte_at = time.perf_counter()
-            obs.first_byte(ex)
-            status = resp.status_code
-            if status in RETRYABLE_STATUS and attempt < policy.max_attempts:
-                wait = _retry_after(resp)
-                delay = policy.backoff(attempt) if wait is None else min(wait, policy.max_backoff_seconds)
-                await resp.aclose()
-                kind = ErrorKind.UPSTREAM_429 if status == 429 else ErrorKind.UPSTREAM_5XX
-                await self._backoff(ex, kind.value, delay)
-                continue
-            if status == 400 and ex.usage_injected:
-                content = await resp.aread()
-                await resp.aclose()
-                if b"stream_options" not in content:
-                    return resp, content
-                # This upstream rejects stream_options: ask once more without it, and remember.
-                self.no_stream_options.add(call.upstream.name)
-                ex.usage_injected = False
-                call.body = call.original_body
-                attempt -= 1
-                await self._backoff(ex, "stream_options_rejected", 0.0)
-                continue
-            return resp, None
-
-    async def _exchange(self, send: Send, call: _Call, watcher: asyncio.Task[None]) -> None:
-        ex = call.ex
-        connected = await self._connect(send, call)
-        if connected is None:
-            return
-        resp, prefetched = connected
-        is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-        headers: RawHeaders = []
-        for k, v in resp.headers.raw:
-            name = k.lower()
-            if name in _DROP_RESPONSE or (is_sse and name == b"cache-control"):
-                continue
-            headers.append((name, v))
-        if is_sse:
-            headers.append((b"cache-control", b"no-cache"))
-            headers.append((b"x-accel-buffering", b"no"))
-        headers.extend(call.rid)
-        facts = StreamFacts()
-        outcome = _status_outcome(resp.status_code)
+    async def _attempt(self, call: _Call, up: Upstream, last: bool) -> _Ready | _Failure:
+        """One upstream attempt, up to the point where its answer can be committed."""
+        ex, obs = call.ex, self.observers
+        ex.attempts += 1
+        ex.upstream = up.name
+        ex.upstream_url = display_url(up.base_url)
+        ex.upstream_headers = self._headers_for(call, up)
+        ex.attempt_started_at = time.perf_counter()
+        obs.attempt_started(ex)
+        generation_stream = ex.stream and ex.route in GENERATION_ROUTES
+        request = self.client.build_request(
+            ex.method,
+            up.url(call.suffix),
+            headers=ex.upstream_headers,
+            content=call.body or None,
+            timeout=up.timeout,
+        )
+        resp: httpx.Response | None = None
+        ready: _Ready | None = None
         try:
-            await send({"type": "http.response.start", "status": resp.status_code, "headers": headers})
-            if prefetched is not None:
-                await send({"type": "http.response.body", "body": prefetched, "more_body": True})
-            elif is_sse:
-                facts = await self._relay_sse(send, ex, resp)
-                if ex.route in GENERATION_ROUTES and resp.status_code == 200:
-                    if facts.error_events:
-                        outcome = Outcome.UPSTREAM_ERROR
-                    elif not facts.done:
-                        outcome = Outcome.STREAM_INTERRUPTED
-                        msg = (
-                            f"upstream '{ex.upstream}' ended the stream without [DONE]: "
-                            "the answer is incomplete"
-                        )
-                        await send(
-                            {
-                                "type": "http.response.body",
-                                "more_body": True,
-                                "body": error_event(msg, outcome.value, "stream_interrupted"),
-                            }
-                        )
-                        ex.error_message = msg
-            else:
-                capture = ex.route in JSON_ROUTES and "json" in resp.headers.get("content-type", "")
-                facts = await self._relay_body(send, resp, capture)
+            async with asyncio.timeout(up.ttft_timeout if generation_stream else None):
+                resp = await self.client.send(request, stream=True)
+                ex.status_code = resp.status_code
+                ex.first_byte_at = time.perf_counter()
+                obs.first_byte(ex)
+                status = resp.status_code
+                if status in RETRYABLE_STATUS and not last:
+                    kind = ErrorKind.UPSTREAM_429 if status == 429 else ErrorKind.UPSTREAM_5XX
+                    return _Failure(
+                        kind, status, f"upstream '{up.name}' answered HTTP {status}", retry_after(resp)
+                    )
+                if status == 400 and ex.usage_injected:
+                    content = await resp.aread()
+                    if b"stream_options" in content:
+                        # This upstream rejects stream_options: ask again without it, and remember.
+                        self.no_stream_options.add(up.name)
+                        ex.usage_injected = False
+                        call.body = call.original_body
+                        await resp.aclose()
+                        resp = None
+                        ex.attempts -= 1
+                        return await self._attempt(call, up, last)
+                    ready = _Ready(resp, _empty(), prefetched=content)
+                    return ready
+                chunks = resp.aiter_raw()
+                is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+                if not (generation_stream and status == 200 and is_sse):
+                    ready = _Ready(resp, chunks)
+                    return ready
+                ready = await self._until_first_output(resp, chunks, ex.usage_injected)
+                return ready
+        except TimeoutError:
+            return _Failure(
+                ErrorKind.TTFT_TIMEOUT,
+                504,
+                f"upstream '{up.name}' ({ex.upstream_url}) sent no token within the "
+                f"ttft timeout of {up.ttft_timeout} s",
+            )
         except httpx.HTTPError as e:
             kind = classify(e)
-            if kind in (ErrorKind.CONNECT_ERROR, ErrorKind.PROTOCOL_ERROR):
+            if kind is ErrorKind.IDLE_TIMEOUT:
+                kind = ErrorKind.TTFT_TIMEOUT  # nothing relayed yet: still waiting for the first token
+            status = 504 if kind in (ErrorKind.CONNECT_TIMEOUT, ErrorKind.TTFT_TIMEOUT) else 502
+            what = {
+                ErrorKind.CONNECT_ERROR: "is unreachable",
+                ErrorKind.CONNECT_TIMEOUT: "did not accept a connection in time",
+                ErrorKind.TTFT_TIMEOUT: "did not answer in time",
+            }.get(kind, "failed before the first token")
+            return _Failure(kind, status, f"upstream '{up.name}' ({ex.upstream_url}) {what}: {describe(e)}")
+        finally:
+            if resp is not None and ready is None:
+                await resp.aclose()
+
+    @staticmethod
+    async def _until_first_output(resp: httpx.Response, chunks: AsyncIterator[bytes], strip: bool) -> _Ready:
+        """Reads a generation stream until its first output event (or its end), holding the bytes."""
+        scanner = SSEScanner(strip_usage_only=strip)
+        ready = _Ready(resp, chunks, scanner)
+        async for data in chunks:
+            out, outputs = scanner.feed(data)
+            if out:
+                ready.pending.append(out)
+            if outputs or scanner.facts.done or scanner.facts.error_events:
+                ready.outputs = outputs
+                break
+        return ready
+
+    # -- commit and relay -------------------------------------------------------------------
+    async def _commit(self, send: Send, call: _Call, ready: _Ready, watcher: asyncio.Task[None]) -> None:
+        ex, resp = call.ex, ready.resp
+        is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+        facts = StreamFacts()
+        outcome = status_outcome(resp.status_code)
+        try:
+            call.committed = True
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": resp.status_code,
+                    "headers": response_headers(resp.headers.raw, is_sse, call.rid),
+                }
+            )
+            if ready.prefetched is not None:
+                await send({"type": "http.response.body", "body": ready.prefetched, "more_body": True})
+            elif ready.scanner is not None:
+                if ready.pending:
+                    await send(
+                        {"type": "http.response.body", "body": b"".join(ready.pending), "more_body": True}
+                    )
+                    if ready.outputs:
+                        stamp_outputs(ex, self.observers, ready.outputs, time.perf_counter())
+                await relay_sse(send, ex, self.observers, ready.chunks, ready.scanner)
+                facts = ready.scanner.facts
+                if facts.error_events:
+                    outcome = Outcome.UPSTREAM_ERROR
+                elif not facts.done:
+                    outcome = Outcome.STREAM_INTERRUPTED
+                    msg = (
+                        f"upstream '{ex.upstream}' ended the stream without [DONE]: the answer is incomplete"
+                    )
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "more_body": True,
+                            "body": error_event(msg, outcome.value),
+                        }
+                    )
+                    ex.error_message = msg
+            else:
+                capture = ex.route in JSON_ROUTES and "json" in resp.headers.get("content-type", "")
+                facts = await relay_body(send, ready.chunks, capture)
+        except httpx.HTTPError as e:
+            kind = classify(e)
+            if kind not in (ErrorKind.IDLE_TIMEOUT, ErrorKind.TTFT_TIMEOUT):
                 kind = ErrorKind.READ_ERROR
             msg = f"upstream '{ex.upstream}' failed mid-response: {describe(e)}"
-            self._take_facts(ex, facts)
+            if ready.scanner is not None:
+                facts = ready.scanner.facts
+            take_facts(ex, facts)
             if not is_sse:
                 # Ending a plain body early would look complete; an aborted connection does not.
                 self._end(ex, Outcome(kind.value), error=msg)
@@ -457,82 +483,12 @@ class Forwarder:
             return
         finally:
             await resp.aclose()
-        self._take_facts(ex, facts)
+        take_facts(ex, facts)
         watcher.cancel()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         self._end(ex, outcome)
 
-    @staticmethod
-    def _take_facts(ex: Exchange, facts: StreamFacts) -> None:
-        usage = facts.usage
-        if usage is not None:
-            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-            if isinstance(prompt, int):
-                ex.prompt_tokens = prompt
-            if isinstance(completion, int):
-                ex.completion_tokens = completion
-        ex.response_id = facts.response_id
-        ex.response_model = facts.response_model
-        ex.finish_reasons = facts.finish_reasons
 
-    async def _relay_sse(self, send: Send, ex: Exchange, resp: httpx.Response) -> StreamFacts:
-        """The hot loop: one scan, one send and, for output events, a timestamp and a hook."""
-        scanner = SSEScanner(strip_usage_only=ex.usage_injected)
-        obs = self.observers
-        perf = time.perf_counter
-        try:
-            async for data in resp.aiter_raw():
-                out, outputs = scanner.feed(data)
-                if not out:
-                    continue
-                await send({"type": "http.response.body", "body": out, "more_body": True})
-                if outputs:
-                    now = perf()
-                    if ex.first_token_at is None:
-                        ex.first_token_at = ex.last_token_at = now
-                        ex.output_events = 1
-                        obs.first_token(ex)
-                        outputs -= 1
-                    while outputs:
-                        gap = now - ex.last_token_at  # type: ignore[operator]
-                        ex.last_token_at = now
-                        ex.output_events += 1
-                        obs.chunk(ex, gap)
-                        outputs -= 1
-        finally:
-            tail = scanner.flush()
-            if tail:
-                await send({"type": "http.response.body", "body": tail, "more_body": True})
-        return scanner.facts
-
-    @staticmethod
-    async def _relay_body(send: Send, resp: httpx.Response, capture: bool) -> StreamFacts:
-        facts = StreamFacts()
-        parts: list[bytes] | None = [] if capture else None
-        size = 0
-        async for data in resp.aiter_raw():
-            await send({"type": "http.response.body", "body": data, "more_body": True})
-            if parts is not None:
-                size += len(data)
-                if size > _MAX_JSON_CAPTURE:
-                    parts = None
-                else:
-                    parts.append(data)
-        if parts:
-            try:
-                obj = orjson.loads(b"".join(parts))
-            except orjson.JSONDecodeError:
-                return facts
-            if isinstance(obj, dict):
-                absorb_response(facts, obj)
-        return facts
-
-
-def _status_outcome(status: int) -> Outcome:
-    if status < 400:
-        return Outcome.OK
-    if status == 429:
-        return Outcome.RATE_LIMITED
-    if status < 500:
-        return Outcome.CLIENT_ERROR
-    return Outcome.UPSTREAM_ERROR
+async def _empty() -> AsyncIterator[bytes]:
+    return
+    yield b""  # pragma: no cover - makes this an async generator

@@ -299,6 +299,9 @@ class Metrics(Observer):
         if phase is not None:
             self.timeouts.labels(upstream, phase).inc()
 
+    def upstream_health(self, ex: Exchange, upstream: str, up: bool) -> None:
+        self.upstream_up.labels(upstream).set(1 if up else 0)
+
     def first_byte(self, ex: Exchange) -> None:
         model, upstream = ex.scratch["metrics"]
         ttfb = ex.ttfb

@@ -23,6 +23,7 @@ HOOKS = (
     "finished",
     "failed",
     "client_disconnected",
+    "upstream_health",
 )
 
 
@@ -57,6 +58,9 @@ class Observer:
 
     def client_disconnected(self, ex: Exchange) -> None:
         pass
+
+    def upstream_health(self, ex: Exchange, upstream: str, up: bool) -> None:
+        """An upstream's circuit opened (up=False) or closed again (up=True) during `ex`."""
 
     def close(self) -> None:
         """Called once at shutdown."""
@@ -130,6 +134,10 @@ class ObserverSet:
     def client_disconnected(self, ex: Exchange) -> None:
         for call in self._calls["client_disconnected"]:
             call(ex)
+
+    def upstream_health(self, ex: Exchange, upstream: str, up: bool) -> None:
+        for call in self._calls["upstream_health"]:
+            call(ex, upstream, up)
 
     def close(self) -> None:
         for o in self.observers:

@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import Any, Self
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -32,14 +40,22 @@ class ServerSettings(_Section):
     port: int = Field(default=8080, ge=0, le=65535)
     workers: int = Field(default=1, ge=1, le=256)
     max_body_bytes: int = Field(default=10 * 1024 * 1024, gt=0, description="larger bodies get 413")
+    max_concurrency: int = Field(default=0, ge=0, description="requests at once per worker; 0 = no cap")
     log_level: str = "info"
 
 
 class TimeoutSettings(_Section):
-    """Seconds. Seed client defaults: connect 10 s, read 120 s."""
+    """Seconds. Seed client defaults: connect 10 s, read 120 s (`read` is accepted for `idle`)."""
 
-    connect: float = Field(default=10.0, gt=0)
-    read: float = Field(default=120.0, gt=0, description="longest silence while reading the upstream")
+    connect: float = Field(default=10.0, gt=0, description="to open a connection to the upstream")
+    ttft: float = Field(default=120.0, gt=0, description="per attempt, until the first output event")
+    idle: float = Field(
+        default=120.0,
+        gt=0,
+        validation_alias=AliasChoices("idle", "read"),
+        description="longest silence while reading the upstream (also bounds the wait for headers)",
+    )
+    total: float | None = Field(default=None, gt=0, description="the whole request; none by default")
     write: float = Field(default=30.0, gt=0)
     pool: float = Field(default=10.0, gt=0, description="longest wait for a free pooled connection")
 
@@ -50,6 +66,24 @@ class RetrySettings(_Section):
     max_attempts: int = Field(default=3, ge=1, le=20)
     backoff_seconds: float = Field(default=2.0, ge=0)
     max_backoff_seconds: float = Field(default=30.0, ge=0)
+
+
+class CircuitSettings(_Section):
+    """An upstream that fails this many times in a row is skipped for a cool-down, then probed
+    again by one real request."""
+
+    failure_threshold: int = Field(default=5, ge=1)
+    cooldown_seconds: float = Field(default=30.0, gt=0)
+
+
+class AuthSettings(_Section):
+    """Client keys. Never plain keys in this file: an env variable, or a file of SHA-256 hashes."""
+
+    keys_env: str | None = Field(default=None, description="env variable with comma-separated keys")
+    keys_file: str | None = Field(default=None, description="file of hex SHA-256 hashes, one a line")
+    metrics_token_env: str | None = Field(
+        default=None, description="env variable with a bearer token that /metrics and /ui require"
+    )
 
 
 class MetricsSettings(_Section):
@@ -95,6 +129,38 @@ class UpstreamSettings(_Section):
     models: list[str] = Field(default_factory=list, description="glob patterns routed here; first match wins")
     default: bool = False
     headers: dict[str, str] = Field(default_factory=dict)
+    fallback: list[str] = Field(
+        default_factory=list, description="upstreams to try, in order, when this one's attempts fail"
+    )
+    timeouts: dict[str, float | None] = Field(default_factory=dict, description="overrides [timeouts]")
+    retry: dict[str, float] = Field(default_factory=dict, description="overrides [retry]")
+
+    @field_validator("timeouts")
+    @classmethod
+    def _known_timeouts(cls, v: dict[str, float | None]) -> dict[str, float | None]:
+        unknown = set(v) - set(TimeoutSettings.model_fields) - {"read"}
+        if unknown:
+            raise ValueError(
+                f"unknown timeout(s) {sorted(unknown)}; known: {sorted(TimeoutSettings.model_fields)}"
+            )
+        return v
+
+    @field_validator("retry")
+    @classmethod
+    def _known_retry(cls, v: dict[str, float]) -> dict[str, float]:
+        unknown = set(v) - set(RetrySettings.model_fields)
+        if unknown:
+            raise ValueError(
+                f"unknown retry setting(s) {sorted(unknown)}; known: {sorted(RetrySettings.model_fields)}"
+            )
+        return v
+
+    def effective_timeouts(self, base: TimeoutSettings) -> TimeoutSettings:
+        overrides = {("idle" if k == "read" else k): v for k, v in self.timeouts.items()}
+        return TimeoutSettings.model_validate({**base.model_dump(), **overrides})
+
+    def effective_retry(self, base: RetrySettings) -> RetrySettings:
+        return RetrySettings.model_validate({**base.model_dump(), **self.retry})
 
     @field_validator("base_url")
     @classmethod
@@ -137,6 +203,8 @@ class Settings(BaseSettings):
     upstreams: list[UpstreamSettings] = Field(default_factory=list)
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
     retry: RetrySettings = Field(default_factory=RetrySettings)
+    circuit: CircuitSettings = Field(default_factory=CircuitSettings)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
     sim_config: str | None = Field(
@@ -163,6 +231,10 @@ class Settings(BaseSettings):
             raise ValueError(f"upstream names must be unique, repeated: {', '.join(dupes)}")
         if sum(u.default for u in self.upstreams) > 1:
             raise ValueError("at most one upstream may have default = true")
+        for up in self.upstreams:
+            missing = [f for f in up.fallback if f not in names or f == up.name]
+            if missing:
+                raise ValueError(f"upstream {up.name!r}: fallback names no other upstream: {missing}")
         return self
 
 

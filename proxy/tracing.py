@@ -1,8 +1,8 @@
 """OpenTelemetry traces: provider setup and the TracingObserver.
 
-The ONLY module that imports opentelemetry (ruff TID251). Off until an OTLP endpoint is set
-(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_ENDPOINT or `[tracing] endpoint`; the
-OTEL_* variables win): then `build_tracing` returns None and no observer exists at all.
+The ONLY module that imports opentelemetry (ruff TID251). Tracing is off until an OTLP endpoint
+is set (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_ENDPOINT or `[tracing] endpoint`;
+the OTEL_* variables win); while off, `build_tracing` returns None and no observer exists at all.
 
 Per request, a SERVER span (parent: the caller's W3C `traceparent`) and a CLIENT span per
 upstream attempt whose context goes upstream as `traceparent`, so engine traces join. Export is
@@ -29,7 +29,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -149,7 +149,6 @@ class _State:
     name: str
     request: Attrs
     attempt: Span | None = None
-    extra: Attrs = field(default_factory=dict)
 
 
 def _wall(ex: Exchange, t: float) -> int:

@@ -26,10 +26,15 @@ def test_stream_bytes_reach_the_client_unchanged(fake: tuple[FakeUpstream, str])
     rec = RecordingObserver()
     with run_proxy(make_settings(("fake", url)), rec) as proxy:
         body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
-        with httpx.Client() as c, c.stream(
-            "POST", f"{proxy}/v1/chat/completions", json=body,
-            headers={"x-request-id": "bytes-1", "x-fake-events": "12"},
-        ) as r:
+        with (
+            httpx.Client() as c,
+            c.stream(
+                "POST",
+                f"{proxy}/v1/chat/completions",
+                json=body,
+                headers={"x-request-id": "bytes-1", "x-fake-events": "12"},
+            ) as r,
+        ):
             assert r.status_code == 200
             assert r.headers["content-type"].startswith("text/event-stream")
             assert r.headers["cache-control"] == "no-cache"
@@ -47,10 +52,15 @@ def test_events_are_not_bunched(fake: tuple[FakeUpstream, str]) -> None:
     _, url = fake
     with run_proxy(make_settings(("fake", url))) as proxy:
         arrivals: list[float] = []
-        with httpx.Client() as c, c.stream(
-            "POST", f"{proxy}/v1/chat/completions", json={**CHAT, "stream": True},
-            headers={"x-fake-events": "4", "x-fake-gap-ms": "200"},
-        ) as r:
+        with (
+            httpx.Client() as c,
+            c.stream(
+                "POST",
+                f"{proxy}/v1/chat/completions",
+                json={**CHAT, "stream": True},
+                headers={"x-fake-events": "4", "x-fake-gap-ms": "200"},
+            ) as r,
+        ):
             for line in r.iter_lines():
                 if '"content":"tok' in line:
                     arrivals.append(time.perf_counter())
@@ -91,14 +101,17 @@ def test_usage_chunk_stripped_only_when_infertap_asked(fake: tuple[FakeUpstream,
     upstream, url = fake
     rec = RecordingObserver()
     with run_proxy(make_settings(("fake", url)), rec) as proxy, httpx.Client() as c:
-        raw = c.post(f"{proxy}/v1/chat/completions", json={**CHAT, "stream": True},
-                     headers={"x-request-id": "nousage"}).content
+        raw = c.post(
+            f"{proxy}/v1/chat/completions", json={**CHAT, "stream": True}, headers={"x-request-id": "nousage"}
+        ).content
         assert upstream.requests[-1].json()["stream_options"] == {"include_usage": True}
         assert b'"choices":[]' not in raw
         assert rec.wait_terminal("nousage").completion_tokens == 5
-        raw = c.post(f"{proxy}/v1/chat/completions",
-                     json={**CHAT, "stream": True, "stream_options": {"include_usage": True}},
-                     headers={"x-request-id": "usage"}).content
+        raw = c.post(
+            f"{proxy}/v1/chat/completions",
+            json={**CHAT, "stream": True, "stream_options": {"include_usage": True}},
+            headers={"x-request-id": "usage"},
+        ).content
         assert raw.count(b'"choices":[]') == 1
         assert rec.wait_terminal("usage").completion_tokens == 5
 
@@ -113,15 +126,19 @@ def test_usage_chunk_stripped_only_when_infertap_asked(fake: tuple[FakeUpstream,
         ({"x-fake-cut": "2"}, "failed"),
     ],
 )
-def test_exactly_one_terminal_hook(fake: tuple[FakeUpstream, str], headers: dict[str, str],
-                                   expected_terminal: str) -> None:
+def test_exactly_one_terminal_hook(
+    fake: tuple[FakeUpstream, str], headers: dict[str, str], expected_terminal: str
+) -> None:
     _, url = fake
     rec = RecordingObserver()
     settings = make_settings(("fake", url))
     settings.retry.max_attempts = 1
     with run_proxy(settings, rec) as proxy, httpx.Client() as c:
-        c.post(f"{proxy}/v1/chat/completions", json={**CHAT, "stream": True},
-               headers={"x-request-id": "t1", **headers})
+        c.post(
+            f"{proxy}/v1/chat/completions",
+            json={**CHAT, "stream": True},
+            headers={"x-request-id": "t1", **headers},
+        )
         rec.wait_terminal("t1")
         hooks = rec.hooks_for("t1")
     assert hooks[0] == "request_received"
@@ -136,7 +153,9 @@ def test_upstream_cut_mid_stream_makes_the_sdk_raise(fake: tuple[FakeUpstream, s
         client = openai.OpenAI(base_url=f"{proxy}/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.APIError):
             for _ in client.chat.completions.create(
-                model="fake-model", messages=CHAT["messages"], stream=True,
+                model="fake-model",
+                messages=CHAT["messages"],
+                stream=True,
                 extra_headers={"x-fake-cut": "2", "x-request-id": "cut"},
             ):
                 pass
@@ -151,8 +170,12 @@ def test_client_disconnect_cancels_upstream(fake: tuple[FakeUpstream, str], wher
     with run_proxy(make_settings(("fake", url)), rec) as proxy:
         with httpx.Client(timeout=httpx.Timeout(10, read=0.5)) as c:
             with pytest.raises(httpx.ReadTimeout):
-                with c.stream("POST", f"{proxy}/v1/chat/completions", json={**CHAT, "stream": True},
-                              headers={"x-request-id": "gone", "x-fake-hang": where}) as r:
+                with c.stream(
+                    "POST",
+                    f"{proxy}/v1/chat/completions",
+                    json={**CHAT, "stream": True},
+                    headers={"x-request-id": "gone", "x-fake-hang": where},
+                ) as r:
                     for _ in r.iter_raw():
                         pass
         # Leaving the client closed the connection: infertap must cancel the upstream request.
@@ -173,14 +196,20 @@ def test_client_disconnect_cancels_upstream(fake: tuple[FakeUpstream, str], wher
         ("/v1/chat/completions", "POST", b'{"messages": []}', 400, "missing_model"),
         ("/v1/completions", "POST", b'{"model": 3}', 400, "missing_model"),
         ("/v1/chat/completions", "POST", b'{"model": "m", "stream": "yes"}', 400, "invalid_stream"),
-        ("/v1/chat/completions", "POST", b'{"model": "m", "pad": "' + b"x" * 5000 + b'"}', 413,
-         "request_too_large"),
+        (
+            "/v1/chat/completions",
+            "POST",
+            b'{"model": "m", "pad": "' + b"x" * 5000 + b'"}',
+            413,
+            "request_too_large",
+        ),
         ("/v1/chat/completions", "GET", b"", 405, "method_not_allowed"),
         ("/nope", "GET", b"", 404, "not_found"),
     ],
 )
-def test_bad_input_gets_an_openai_error(fake: tuple[FakeUpstream, str], path: str, method: str,
-                                        body: bytes, status: int, code: str) -> None:
+def test_bad_input_gets_an_openai_error(
+    fake: tuple[FakeUpstream, str], path: str, method: str, body: bytes, status: int, code: str
+) -> None:
     upstream, url = fake
     settings = make_settings(("fake", url))
     settings.server.max_body_bytes = 4096
@@ -226,7 +255,9 @@ def test_upstream_key_reaches_upstream_and_nowhere_else(
     with run_proxy(settings) as proxy, httpx.Client() as c:
         auth = {"authorization": "Bearer sk-client-own"}
         for extra in ({}, {"x-fake-status": "500"}, {"x-fake-cut": "1"}):
-            r = c.post(f"{proxy}/v1/chat/completions", json={**CHAT, "stream": True}, headers={**auth, **extra})
+            r = c.post(
+                f"{proxy}/v1/chat/completions", json={**CHAT, "stream": True}, headers={**auth, **extra}
+            )
             seen.append(r.content + json.dumps(dict(r.headers)).encode())
         r = c.post(f"{proxy}/v1/chat/completions", json=CHAT, headers=auth)
         seen.append(r.content + json.dumps(dict(r.headers)).encode())
@@ -267,8 +298,11 @@ def test_routing_by_model_glob_and_passthrough(fake: tuple[FakeUpstream, str]) -
         settings.upstreams[1].models = ["llama-*"]
         rec = RecordingObserver()
         with run_proxy(settings, rec) as proxy, httpx.Client() as c:
-            c.post(f"{proxy}/v1/chat/completions", json={**CHAT, "model": "llama-3"},
-                   headers={"x-request-id": "r1"})
+            c.post(
+                f"{proxy}/v1/chat/completions",
+                json={**CHAT, "model": "llama-3"},
+                headers={"x-request-id": "r1"},
+            )
             c.post(f"{proxy}/v1/chat/completions", json=CHAT, headers={"x-request-id": "r2"})
             emb = c.post(f"{proxy}/v1/embeddings", json={"model": "llama-e", "input": "hi"})
             other = c.get(f"{proxy}/v1/models/fake-model?x=1")

@@ -142,9 +142,10 @@ class _Api:
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         try:
             body = await request.body()
+            req: ChatRequest | CompletionRequest
             if chat:
-                req: ChatRequest | CompletionRequest = parse(ChatRequest, body)
-                prompt = chat_prompt(req)  # type: ignore[arg-type]
+                req = parse(ChatRequest, body)
+                prompt = chat_prompt(req)
             else:
                 req = parse(CompletionRequest, body)
                 prompt = completion_prompt(req)

@@ -105,7 +105,14 @@ def main(argv: list[str]) -> int:
         return 2
     app = create_sim_app(config)
     server = uvicorn.Server(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on")
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",  # no access log: a line per request would drown a benchmark
+            lifespan="on",
+            timeout_graceful_shutdown=3,  # open streams get 3 s, then go (serve kills us after 5)
+        )
     )
     try:
         asyncio.run(_serve(server))

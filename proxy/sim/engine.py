@@ -6,8 +6,8 @@ what that step would cost on a GPU (see SimSection), then hands every sequence i
 TTFT grows with prompt length and with queueing, TPOT with the batch size (and, with the KV
 cache off, with context length), and hundreds of streams cost one timer per step, not per token.
 
-Requests with a fixed TTFT/TPOT (x-sim-* headers or [sim] fixed_*) skip the scheduler: one
-call_at timer per token, no queueing, no KV blocks. They exist so tests can control timing.
+Requests with a fixed TTFT/TPOT (x-sim-* headers or [sim] fixed_*) skip the scheduler: see
+proxy.sim.fixed.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 from collections import deque
 
 from proxy.sim.config import SimConfig
+from proxy.sim.fixed import FixedLane
 from proxy.sim.kvcache import PrefixCache, block_hashes, blocks_for
 from proxy.sim.sampling import TextSource, derive_seed
 from proxy.sim.sequence import EngineStats, Finished, NullStats, RequestSpec, RequestTiming, Sequence, State
@@ -33,7 +34,7 @@ class Engine:
         self.stats: EngineStats = stats or NullStats()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
-        self.timed: set[Sequence] = set()
+        self.fixed = FixedLane(config, self._emit, self._prefill_done)
         self.preemptions = 0
         self._submitted = 0
         self._kv = config.kv_cache.enable
@@ -45,7 +46,7 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self.running) + len(self.timed)
+        return len(self.running) + len(self.fixed.sequences)
 
     @property
     def num_waiting(self) -> int:
@@ -64,7 +65,7 @@ class Engine:
         seq.target = len(spec.prompt)
         sim = self.config.sim
         if any(v is not None for v in (spec.ttft_ms, spec.tpot_ms, sim.fixed_ttft_ms, sim.fixed_tpot_ms)):
-            self._start_timed(seq)
+            self.fixed.start(seq)
             return seq
         self.waiting.append(seq)
         if self._task is None or self._task.done():
@@ -88,7 +89,10 @@ class Engine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        for seq in [*self.waiting, *self.running, *self.timed]:
+        self._abort_all()
+
+    def _abort_all(self) -> None:
+        for seq in [*self.waiting, *self.running, *self.fixed.sequences]:
             self.abort(seq)
             seq.events.put_nowait(Finished("abort"))
 
@@ -108,9 +112,7 @@ class Engine:
             # A bug here would otherwise hang every open stream: end them, say why, and let the
             # next request start a fresh loop.
             log.exception("simulated engine loop failed; aborting its sequences")
-            for seq in [*self.waiting, *self.running]:
-                self.abort(seq)
-                seq.events.put_nowait(Finished("abort"))
+            self._abort_all()
 
     def _plan(self) -> tuple[list[tuple[Sequence, int]], float]:
         """Choose this step's work: (sequence, tokens to compute) pairs, and the step's cost."""
@@ -188,7 +190,6 @@ class Engine:
     def _commit(self, work: list[tuple[Sequence, int]]) -> None:
         now = time.monotonic()
         self.stats.step(sum(n for _, n in work))
-        generated = 0
         for seq, n in work:
             if seq.state is not State.RUNNING:  # aborted while the step ran
                 continue
@@ -198,9 +199,7 @@ class Engine:
                 continue
             if not was_decoding:
                 self._prefill_done(seq)
-            generated += self._emit(seq, now)
-        if generated:
-            self.stats.tokens(0, generated)
+            self._emit(seq, now)
 
     def _take(self, remaining: int, budget: int, prefill_left: int, *, first: bool) -> int:
         """Prefill tokens a sequence may compute this step."""
@@ -239,17 +238,17 @@ class Engine:
     def _prefill_done(self, seq: Sequence) -> None:
         if self._kv:
             self._prefix.insert(seq.hashes)
-        if seq.first_token_at is None and seq.generated == 0:
+        if seq.generated == 0:
             self.stats.tokens(len(seq.spec.prompt), 0)
 
     # -- tokens out -----------------------------------------------------------------------------
 
-    def _emit(self, seq: Sequence, now: float) -> int:
-        """Sample one token into the sequence's stream; returns the tokens generated (0 or 1)."""
+    def _emit(self, seq: Sequence, now: float) -> None:
+        """Sample one token into the sequence's stream (or end it, when it is complete)."""
         spec = seq.spec
         if seq.generated >= spec.max_new:
             self._finish(seq, spec.final_reason, now)
-            return 0
+            return
         text = seq.source.next()
         seq.generated += 1
         if seq.last_token_at is None:
@@ -258,6 +257,7 @@ class Engine:
         else:
             self.stats.inter_token(now - seq.last_token_at)
         seq.last_token_at = now
+        self.stats.tokens(0, 1)
         if spec.stop:
             window = seq.tail + text
             found = [i for i in (window.find(s) for s in spec.stop) if i >= 0]
@@ -266,13 +266,12 @@ class Engine:
                 if piece:
                     seq.events.put_nowait(piece)
                 self._finish(seq, "stop", now)
-                return 1
+                return
             keep = max(len(s) for s in spec.stop) - 1
             seq.tail = window[-keep:] if keep else ""
         seq.events.put_nowait(text)
         if seq.generated >= spec.max_new:
             self._finish(seq, spec.final_reason, now)
-        return 1
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         self._release(seq)
@@ -286,44 +285,9 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         if seq.state is State.RUNNING:
-            if seq in self.timed:
-                self.timed.discard(seq)
+            if seq in self.fixed.sequences:
+                self.fixed.discard(seq)
             else:
                 self.running.remove(seq)
-        if seq.timer is not None:
-            seq.timer.cancel()
         seq.state = State.FINISHED
         seq.blocks = 0
-
-    # -- the fixed-timing lane ------------------------------------------------------------------
-
-    def _start_timed(self, seq: Sequence) -> None:
-        sim = self.config.sim
-        seq.state = State.RUNNING
-        seq.scheduled_at = seq.arrival
-        self.timed.add(seq)
-        ttft = seq.spec.ttft_ms if seq.spec.ttft_ms is not None else sim.fixed_ttft_ms
-        if ttft is None:
-            ttft = sim.prefill_base_ms + sim.prefill_ms_per_token * len(seq.spec.prompt)
-        loop = asyncio.get_running_loop()
-        origin = loop.time() + ttft / 1000
-        seq.timer = loop.call_at(origin, self._timed_tick, seq, origin)
-
-    def _timed_tick(self, seq: Sequence, due: float) -> None:
-        if seq.state is not State.RUNNING:
-            return
-        if seq.generated == 0:
-            seq.computed = seq.target
-            self._prefill_done(seq)
-        generated = self._emit(seq, time.monotonic())
-        if generated:
-            self.stats.tokens(0, generated)
-        if seq.state is State.RUNNING:
-            sim = self.config.sim
-            tpot = seq.spec.tpot_ms if seq.spec.tpot_ms is not None else sim.fixed_tpot_ms
-            if tpot is None:
-                tpot = sim.decode_step_ms + sim.decode_ms_per_running_seq
-                if not self._kv:
-                    tpot += sim.no_kv_cache_ms_per_context_token * (len(seq.spec.prompt) + seq.generated)
-            due += tpot / 1000
-            seq.timer = asyncio.get_running_loop().call_at(due, self._timed_tick, seq, due)

@@ -79,7 +79,6 @@ class Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     tail: str = ""  # end of the text so far, to find stop strings that span tokens
-    timer: asyncio.TimerHandle | None = None
 
     @property
     def decoding(self) -> bool:

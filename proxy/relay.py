@@ -1,0 +1,109 @@
+"""Relaying an upstream answer that has been committed to the client: the per-chunk hot path."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import orjson
+
+from proxy.asgi import RawHeaders, Send
+from proxy.exchange import Exchange, Outcome
+from proxy.observer import ObserverSet
+from proxy.request import DROP_RESPONSE, MAX_JSON_CAPTURE
+from proxy.sse import SSEScanner, StreamFacts, absorb_response
+
+
+def response_headers(raw: list[tuple[bytes, bytes]], is_sse: bool, rid: RawHeaders) -> RawHeaders:
+    headers: RawHeaders = []
+    for k, v in raw:
+        name = k.lower()
+        if name in DROP_RESPONSE or (is_sse and name == b"cache-control"):
+            continue
+        headers.append((name, v))
+    if is_sse:
+        # Tell nginx and friends not to buffer: a buffered stream has no TTFT worth the name.
+        headers.append((b"cache-control", b"no-cache"))
+        headers.append((b"x-accel-buffering", b"no"))
+    headers.extend(rid)
+    return headers
+
+
+def stamp_outputs(ex: Exchange, obs: ObserverSet, outputs: int, now: float) -> None:
+    """Record `outputs` output events handed to the client at `now`."""
+    if ex.first_token_at is None:
+        ex.first_token_at = ex.last_token_at = now
+        ex.output_events = 1
+        obs.first_token(ex)
+        outputs -= 1
+    while outputs:
+        gap = now - ex.last_token_at  # type: ignore[operator]
+        ex.last_token_at = now
+        ex.output_events += 1
+        obs.chunk(ex, gap)
+        outputs -= 1
+
+
+async def relay_sse(
+    send: Send, ex: Exchange, obs: ObserverSet, chunks: AsyncIterator[bytes], scanner: SSEScanner
+) -> None:
+    """The hot loop: one scan, one send and, for output events, a timestamp and a hook."""
+    perf = time.perf_counter
+    try:
+        async for data in chunks:
+            out, outputs = scanner.feed(data)
+            if not out:
+                continue
+            await send({"type": "http.response.body", "body": out, "more_body": True})
+            if outputs:
+                stamp_outputs(ex, obs, outputs, perf())
+    finally:
+        tail = scanner.flush()
+        if tail:
+            await send({"type": "http.response.body", "body": tail, "more_body": True})
+
+
+async def relay_body(send: Send, chunks: AsyncIterator[bytes], capture: bool) -> StreamFacts:
+    """A plain body, forwarded as it comes; JSON kept (up to a cap) to read its usage at the end."""
+    facts = StreamFacts()
+    parts: list[bytes] | None = [] if capture else None
+    size = 0
+    async for data in chunks:
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+        if parts is not None:
+            size += len(data)
+            if size > MAX_JSON_CAPTURE:
+                parts = None
+            else:
+                parts.append(data)
+    if parts:
+        try:
+            obj = orjson.loads(b"".join(parts))
+        except orjson.JSONDecodeError:
+            return facts
+        if isinstance(obj, dict):
+            absorb_response(facts, obj)
+    return facts
+
+
+def take_facts(ex: Exchange, facts: StreamFacts) -> None:
+    usage = facts.usage
+    if usage is not None:
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if isinstance(prompt, int):
+            ex.prompt_tokens = prompt
+        if isinstance(completion, int):
+            ex.completion_tokens = completion
+    ex.response_id = facts.response_id
+    ex.response_model = facts.response_model
+    ex.finish_reasons = facts.finish_reasons
+
+
+def status_outcome(status: int) -> Outcome:
+    if status < 400:
+        return Outcome.OK
+    if status == 429:
+        return Outcome.RATE_LIMITED
+    if status < 500:
+        return Outcome.CLIENT_ERROR
+    return Outcome.UPSTREAM_ERROR

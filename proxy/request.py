@@ -1,0 +1,143 @@
+"""What infertap must understand of a request and of an upstream's answer, and nothing more."""
+
+from __future__ import annotations
+
+import email.utils
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+import orjson
+
+from proxy.asgi import Scope, header
+
+# Routes whose JSON body names a model and whose streams end with `data: [DONE]`.
+GENERATION_ROUTES = frozenset({"chat.completions", "completions"})
+JSON_ROUTES = GENERATION_ROUTES | {"embeddings"}
+
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+# Never forwarded upstream: credentials (infertap adds the upstream's own) and what httpx sets.
+DROP_REQUEST = _HOP_BY_HOP | {
+    "host",
+    "content-length",
+    "authorization",
+    "api-key",
+    "x-api-key",
+    "cookie",
+    "accept-encoding",
+    "x-request-id",
+    "traceparent",
+    "tracestate",
+}
+DROP_RESPONSE = frozenset(
+    h.encode() for h in _HOP_BY_HOP | {"date", "server", "x-request-id", "content-length"}
+)
+MAX_REQUEST_ID = 128
+MAX_JSON_CAPTURE = 8 * 1024 * 1024
+
+
+def display_url(url: str) -> str:
+    """The URL without user info or query: safe for logs and error messages."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def request_id(scope: Scope) -> str:
+    given = header(scope, b"x-request-id")
+    if given and len(given) <= MAX_REQUEST_ID and given.isprintable():
+        return given
+    return str(uuid.uuid4())
+
+
+def prompt_chars(obj: dict[str, Any]) -> int:
+    """Characters of prompt text, for the prompt size class (exact tokens come later, from usage)."""
+    total = 0
+    messages = obj.get("messages")
+    if isinstance(messages, list):
+        for m in messages:
+            if isinstance(m, dict):
+                content = m.get("content")
+                if isinstance(content, str):
+                    total += len(content)
+                elif isinstance(content, list):
+                    for part in content:
+                        if isinstance(part, dict) and isinstance(part.get("text"), str):
+                            total += len(part["text"])
+    prompt = obj.get("prompt", obj.get("input"))
+    if isinstance(prompt, str):
+        total += len(prompt)
+    elif isinstance(prompt, list):
+        total += sum(len(p) for p in prompt if isinstance(p, str))
+    return total
+
+
+def retry_after(resp: httpx.Response) -> float | None:
+    value = resp.headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    body: bytes
+    obj: dict[str, Any] | None
+
+
+class RequestRejected(Exception):
+    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+
+
+def parse_request(route: str, body: bytes) -> ParsedRequest:
+    """Validate what infertap itself must understand; everything else is the upstream's business."""
+    if route not in JSON_ROUTES:
+        return ParsedRequest(body, None)
+    if not body.strip():
+        raise RequestRejected(400, "the request body is empty: send a JSON object", "invalid_json")
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise RequestRejected(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
+    if not isinstance(obj, dict):
+        kind = type(obj).__name__
+        raise RequestRejected(400, f"the request body must be a JSON object, got {kind}", "invalid_json")
+    model = obj.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestRejected(
+            400, "'model' is required and must be a non-empty string", "missing_model", "model"
+        )
+    stream = obj.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestRejected(400, "'stream' must be true or false", "invalid_stream", "stream")
+    return ParsedRequest(body, obj)
