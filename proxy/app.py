@@ -8,6 +8,7 @@ client disconnects).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import orjson
 from proxy import __version__
 from proxy.accesslog import AccessLog
 from proxy.asgi import Receive, Scope, Send, error_body, header, send_error, send_json
+from proxy.auth import ClientKeys, bearer_token
 from proxy.forward import Forwarder
 from proxy.metrics import CollectorRegistry, Metrics
 from proxy.observer import Observer, ObserverSet
@@ -52,6 +54,9 @@ class InfertapApp:
     def __init__(self, settings: Settings, observers: Sequence[Observer], metrics: Metrics | None) -> None:
         self.settings = settings
         self.metrics = metrics
+        # Read at construction, so that a bad key setting stops start-up with a clear message.
+        self.client_keys = ClientKeys.from_settings(settings.auth)
+        self.metrics_token = bearer_token(settings.auth.metrics_token_env)
         self.observers = ObserverSet(observers)
         self._runtime: _Runtime | None = None
         self._plain: dict[tuple[str, str], Handler] = {
@@ -110,6 +115,21 @@ class InfertapApp:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         method: str = scope["method"]
+        if (
+            self.client_keys is not None
+            and path.startswith("/v1/")
+            and not self.client_keys.check(header(scope, b"authorization"))
+        ):
+            await send_error(
+                send,
+                401,
+                "a valid infertap key is required: send 'Authorization: Bearer "
+                "<key>' with a key configured in [auth]",
+                "invalid_request_error",
+                "invalid_api_key",
+                [(b"www-authenticate", b"Bearer")],
+            )
+            return
         proxied = PROXIED.get(path)
         if proxied is not None:
             route, allowed = proxied
@@ -161,6 +181,18 @@ class InfertapApp:
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         assert self.metrics is not None
+        if self.metrics_token is not None and not hmac.compare_digest(
+            (header(scope, b"authorization") or "").encode(), f"Bearer {self.metrics_token}".encode()
+        ):
+            await send_error(
+                send,
+                401,
+                "/metrics needs 'Authorization: Bearer <token>' (auth.metrics_token_env)",
+                "invalid_request_error",
+                "invalid_api_key",
+                [(b"www-authenticate", b"Bearer")],
+            )
+            return
         body, content_type = self.metrics.render(header(scope, b"accept"))
         await send(
             {

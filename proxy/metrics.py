@@ -291,8 +291,10 @@ class Metrics(Observer):
         ex.scratch["metrics"] = (model, upstream)
         self.in_flight.labels(upstream).inc()
 
+    # ex.upstream is the upstream of the current attempt (a fallback may take over); the
+    # in-flight gauge keeps the label it was raised with.
     def retry(self, ex: Exchange, reason: str, backoff: float) -> None:
-        _, upstream = ex.scratch["metrics"]
+        upstream = ex.upstream or NONE
         self.attempts.labels(upstream, reason).inc()
         self.retries.labels(upstream, reason).inc()
         phase = TIMEOUT_PHASES.get(reason)
@@ -303,13 +305,13 @@ class Metrics(Observer):
         self.upstream_up.labels(upstream).set(1 if up else 0)
 
     def first_byte(self, ex: Exchange) -> None:
-        model, upstream = ex.scratch["metrics"]
+        model, upstream = ex.scratch["metrics"][0], ex.upstream or NONE
         ttfb = ex.ttfb
         if ttfb is not None:
             self.ttfb.labels(model, upstream).observe(ttfb)
 
     def first_token(self, ex: Exchange) -> None:
-        model, upstream = ex.scratch["metrics"]
+        model, upstream = ex.scratch["metrics"][0], ex.upstream or NONE
         ttft = ex.ttft
         if ttft is not None:
             self.ttft.labels(model, upstream, ex.prompt_class).observe(ttft, self._exemplar(ex))
@@ -328,10 +330,11 @@ class Metrics(Observer):
         self._end(ex)
 
     def _end(self, ex: Exchange) -> None:
-        model, upstream = ex.scratch["metrics"]
+        model, routed = ex.scratch["metrics"]
+        upstream = ex.upstream or NONE
         outcome = ex.outcome.value if ex.outcome is not None else NONE
         stream = "true" if ex.stream else "false"
-        self.in_flight.labels(upstream).dec()
+        self.in_flight.labels(routed).dec()
         self.requests.labels(ex.route, model, upstream, stream, outcome).inc()
         if ex.attempts:
             result = "cancelled" if ex.outcome is Outcome.CLIENT_DISCONNECT else outcome

@@ -37,10 +37,10 @@ def event_data(event: bytes) -> bytes:
     return b"\n".join(_DATA_PREFIX.sub(b"", ln) for ln in lines)
 
 
-def _last_boundary(buf: bytes) -> int:
-    """Index just past the last complete event in `buf`, or 0."""
-    lf = buf.rfind(b"\n\n")
-    crlf = buf.rfind(b"\r\n\r\n")
+def _last_boundary(buf: bytes | bytearray, start: int = 0) -> int:
+    """Index just past the last complete event in `buf` (searching from `start`), or 0."""
+    lf = buf.rfind(b"\n\n", start)
+    crlf = buf.rfind(b"\r\n\r\n", start)
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
@@ -67,27 +67,46 @@ class SSEScanner:
     __slots__ = ("_tail", "_strip_usage_only", "facts")
 
     def __init__(self, strip_usage_only: bool = False) -> None:
-        self._tail = b""
+        self._tail = bytearray()
         self._strip_usage_only = strip_usage_only
         self.facts = StreamFacts()
 
     def feed(self, chunk: bytes) -> tuple[bytes, int]:
         if self._tail:
-            chunk = self._tail + chunk
-            self._tail = b""
-        end = _last_boundary(chunk)
-        if end == 0:
-            self._tail = chunk
-            return b"", 0
-        if end < len(chunk):
-            self._tail = chunk[end:]
-            chunk = chunk[:end]
+            chunk = self._join(chunk)
+            if not chunk:
+                return b"", 0
+            end = len(chunk)
+        else:
+            end = _last_boundary(chunk)
+            if end == 0:
+                self._tail += chunk
+                return b"", 0
+            if end < len(chunk):
+                self._tail += chunk[end:]
+                chunk = chunk[:end]
         first = _BOUNDARY.search(chunk)
         if first is not None and first.end() == end:
             # The common case: exactly one event in this chunk.
             outputs, keep = self._inspect(chunk)
             return (chunk if keep else b""), outputs
         return self._feed_many(chunk)
+
+    def _join(self, chunk: bytes) -> bytes:
+        """Appends to a held partial event; returns the complete events, if any, now available.
+
+        Only the new bytes (and the 3 before them, where a separator may straddle) are searched,
+        so one huge event arriving in many pieces costs linear time, not quadratic.
+        """
+        tail = self._tail
+        start = max(0, len(tail) - 3)
+        tail += chunk
+        end = _last_boundary(tail, start)
+        if end == 0:
+            return b""
+        complete = bytes(tail[:end])
+        del tail[:end]
+        return complete
 
     def _feed_many(self, chunk: bytes) -> tuple[bytes, int]:
         outputs = 0
@@ -111,7 +130,8 @@ class SSEScanner:
 
     def flush(self) -> bytes:
         """Bytes left after the upstream's last complete event (an unterminated event)."""
-        tail, self._tail = self._tail, b""
+        tail = bytes(self._tail)
+        self._tail.clear()
         return tail
 
     def _inspect(self, event: bytes) -> tuple[int, bool]:

@@ -10,6 +10,10 @@ upstream behaviour while the same server instance records what it received and s
   x-fake-hang: WHERE        never go on: before-headers | after-role | after-first
   x-fake-no-done: 1         end the stream without `data: [DONE]`
   x-fake-cut: K             drop the connection after K content events
+  x-fake-fail-first: N      answer the first N requests of a request id with x-fake-fail-status
+                            (default 503) and x-fake-retry-after, then behave normally
+  x-fake-malformed: 1       content events carry broken JSON
+  x-fake-event-bytes: B     each content event carries B bytes of text
 """
 
 from __future__ import annotations
@@ -35,10 +39,14 @@ class Received:
         return json.loads(self.body)
 
 
-def _chunk(cid: str, model: str, delta: dict[str, Any], finish: str | None = None,
-           usage: bool = False) -> bytes:
+def _chunk(
+    cid: str, model: str, delta: dict[str, Any], finish: str | None = None, usage: bool = False
+) -> bytes:
     obj: dict[str, Any] = {
-        "id": cid, "object": "chat.completion.chunk", "created": 1700000000, "model": model,
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": model,
         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
     }
     if usage:
@@ -49,9 +57,11 @@ def _chunk(cid: str, model: str, delta: dict[str, Any], finish: str | None = Non
 @dataclass
 class FakeUpstream:
     requests: list[Received] = field(default_factory=list)
-    sent: dict[str, bytes] = field(default_factory=dict)  # x-request-id -> bytes streamed
+    sent: dict[str, bytearray] = field(default_factory=dict)  # x-request-id -> bytes streamed
     disconnected: threading.Event = field(default_factory=threading.Event)
     send_times: dict[str, list[float]] = field(default_factory=dict)
+    arrivals: list[float] = field(default_factory=list)
+    failures_left: dict[str, int] = field(default_factory=dict)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -71,6 +81,7 @@ class FakeUpstream:
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         rec = Received(scope["method"], scope["path"], headers, body)
         self.requests.append(rec)
+        self.arrivals.append(time.monotonic())
 
         task = asyncio.current_task()
         assert task is not None
@@ -98,28 +109,67 @@ class FakeUpstream:
         if h.get("x-fake-hang") == "before-headers":
             await asyncio.Event().wait()
         status = int(h.get("x-fake-status", "200"))
+        if "x-fake-fail-first" in h:
+            rid = h.get("x-request-id", "")
+            left = self.failures_left.setdefault(rid, int(h["x-fake-fail-first"]))
+            if left > 0:
+                self.failures_left[rid] = left - 1
+                extra = (
+                    [(b"retry-after", h["x-fake-retry-after"].encode())] if "x-fake-retry-after" in h else []
+                )
+                await _json(
+                    send,
+                    int(h.get("x-fake-fail-status", "503")),
+                    {"error": {"message": "fake transient failure", "type": "fake"}},
+                    extra,
+                )
+                return
         if rec.path.endswith("/models"):
-            await _json(send, 200, {"object": "list", "data": [{"id": "fake-model", "object": "model",
-                                                                  "owned_by": "fake"}]})
+            await _json(
+                send,
+                200,
+                {"object": "list", "data": [{"id": "fake-model", "object": "model", "owned_by": "fake"}]},
+            )
             return
         if status != 200:
-            await _json(send, status, {"error": {"message": f"fake error {status}", "type": "fake",
-                                                 "code": status}})
+            await _json(
+                send, status, {"error": {"message": f"fake error {status}", "type": "fake", "code": status}}
+            )
             return
         req = rec.json() if rec.body else {}
         if rec.path.endswith("/embeddings"):
-            await _json(send, 200, {"object": "list", "model": req.get("model"),
-                                    "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
-                                    "usage": {"prompt_tokens": 3, "total_tokens": 3}})
+            await _json(
+                send,
+                200,
+                {
+                    "object": "list",
+                    "model": req.get("model"),
+                    "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
+                    "usage": {"prompt_tokens": 3, "total_tokens": 3},
+                },
+            )
             return
         n = int(h.get("x-fake-events", "5"))
         model = req.get("model", "fake-model")
         if not req.get("stream"):
-            await _json(send, 200, {
-                "id": "cmpl-fake", "object": "chat.completion", "created": 1700000000, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "tok " * n},
-                             "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}})
+            await _json(
+                send,
+                200,
+                {
+                    "id": "cmpl-fake",
+                    "object": "chat.completion",
+                    "created": 1700000000,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": "tok " * n},
+                            "finish_reason": "stop",
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n},
+                },
+            )
             return
         await self._stream(rec, req, send, n, model)
 
@@ -131,19 +181,25 @@ class FakeUpstream:
         cut = int(h["x-fake-cut"]) if "x-fake-cut" in h else None
         hang = h.get("x-fake-hang")
         usage = bool((req.get("stream_options") or {}).get("include_usage"))
+        malformed = h.get("x-fake-malformed") == "1"
+        pad = "x" * int(h.get("x-fake-event-bytes", "0"))
         sent = bytearray()
         times: list[float] = []
-        self.sent[rid] = b""
+        self.sent[rid] = sent
         self.send_times[rid] = times
 
         async def emit(data: bytes) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": True})
             sent.extend(data)
             times.append(time.perf_counter())
-            self.sent[rid] = bytes(sent)
 
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream; charset=utf-8")],
+            }
+        )
         await emit(_chunk("chatcmpl-fake", model, {"role": "assistant", "content": ""}, usage=usage))
         if hang == "after-role":
             await asyncio.Event().wait()
@@ -154,22 +210,30 @@ class FakeUpstream:
                 await asyncio.sleep(gap)
             if cut is not None and i == cut:
                 raise ConnectionAbortedError("fake upstream cuts the stream")
-            await emit(_chunk("chatcmpl-fake", model, {"content": f"tok{i} "}, usage=usage))
+            if malformed:
+                await emit(b'data: {"choices": [{"delta": {"content": "tok' + str(i).encode() + b'"\n\n')
+            else:
+                await emit(_chunk("chatcmpl-fake", model, {"content": f"tok{i} {pad}"}, usage=usage))
             if hang == "after-first":
                 await asyncio.Event().wait()
         await emit(_chunk("chatcmpl-fake", model, {}, finish="stop", usage=usage))
         if usage:
-            obj = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1700000000,
-                   "model": model, "choices": [],
-                   "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}}
+            obj = {
+                "id": "chatcmpl-fake",
+                "object": "chat.completion.chunk",
+                "created": 1700000000,
+                "model": model,
+                "choices": [],
+                "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n},
+            }
             await emit(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
         if h.get("x-fake-no-done") != "1":
             await emit(b"data: [DONE]\n\n")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _json(send: Send, status: int, obj: Any) -> None:
+async def _json(send: Send, status: int, obj: Any, extra: list[tuple[bytes, bytes]] | None = None) -> None:
     data = json.dumps(obj).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json")]})
+    headers = [(b"content-type", b"application/json"), *(extra or [])]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": data, "more_body": False})

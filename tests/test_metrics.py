@@ -12,28 +12,14 @@ import sys
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.exchange import Exchange
 from proxy.observer import Observer
 from tests.conftest import RecordingObserver, make_settings, run_proxy, wait_until
 from tests.fake_upstream import FakeUpstream
+from tests.promtext import samples, scrape, value
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
-
-
-def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
-    return [(s.name, s.labels, s.value) for fam in text_string_to_metric_families(text) for s in fam.samples]
-
-
-def value(text: str, name: str, **labels: str) -> float:
-    return sum(
-        v for n, lab, v in samples(text) if n == name and all(lab.get(k) == x for k, x in labels.items())
-    )
-
-
-def scrape(proxy: str, **headers: str) -> str:
-    return httpx.get(f"{proxy}/metrics", headers=headers).text
 
 
 def test_exact_counts_after_a_known_workload(fake: tuple[FakeUpstream, str]) -> None:

@@ -148,7 +148,13 @@ def input_tokens(value: PromptInput) -> list[list[str]]:
         return [tokenize(value)]
     if value and all(isinstance(v, int) for v in value):
         return [[f"#{v}" for v in value]]
-    return [tokenize(v) if isinstance(v, str) else [f"#{t}" for t in v] for v in value]  # type: ignore[union-attr]
+    out: list[list[str]] = []
+    for v in value:
+        if isinstance(v, str):
+            out.append(tokenize(v))
+        elif isinstance(v, list):
+            out.append([f"#{t}" for t in v])
+    return out
 
 
 def completion_prompt(req: CompletionRequest) -> list[str]:

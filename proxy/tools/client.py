@@ -208,6 +208,12 @@ def add_target_arguments(parser: argparse.ArgumentParser, *, base_url_flag: bool
         "--backoff", type=float, metavar="S", help="first retry delay, doubled each time (default: 2)"
     )
     g.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the untimed GET /models before the first request (then the first TTFT also "
+        "holds the client's start-up and connection set-up)",
+    )
+    g.add_argument(
         "--no-usage",
         action="store_true",
         help="do not ask for stream_options.include_usage (tokens are then counted from content events)",
@@ -318,21 +324,31 @@ def _body(target: Target, prompt: str) -> dict[str, Any]:
     return body
 
 
-async def resolve_model(client: httpx.AsyncClient, target: Target) -> Target:
-    """A target with a model: the one given, else the first id of GET {base}/models."""
-    if target.model:
+async def prepare(client: httpx.AsyncClient, target: Target, *, warmup: bool = True) -> Target:
+    """Before any timing: GET {base}/models, to find the model when none was given and to warm up.
+
+    The warm-up loads the HTTP stack (httpx imports its transport lazily: ~0.1 s on first use)
+    and leaves a pooled connection open, so the first timed request does not pay for the
+    tool's start-up or a TCP/TLS handshake. Its errors are ignored: the timed requests report
+    any real problem. Without a model and without a usable /models, ToolError.
+    """
+    if target.model and not warmup:
         return target
     url = target.base_url.rstrip("/") + "/models"
     try:
         resp = await client.get(url, headers=_headers(target))
     except httpx.HTTPError as e:
+        if target.model:
+            return target
         _, msg = _describe_exception(e, url, got_headers=False)
         raise ToolError(f"no --model given and GET {url} failed: {msg}") from None
+    if target.model:
+        return target
     if resp.status_code != 200:
         raise ToolError(f"no --model given and GET {url} answered {_status_text(resp, target)}")
     try:
         ids = [m["id"] for m in resp.json()["data"] if isinstance(m.get("id"), str)]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         ids = []
     if not ids:
         raise ToolError(f"no --model given and GET {url} listed no model")

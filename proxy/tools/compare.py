@@ -26,8 +26,8 @@ from proxy.tools.client import (
     ToolError,
     add_target_arguments,
     make_client,
+    prepare,
     prompts_from_args,
-    resolve_model,
     run_many,
     target_from_args,
     validate_target,
@@ -171,15 +171,15 @@ def comparison_json(
 
 
 async def _compare(
-    a: Target, b: Target, prompts: list[str], n: int, c: int
+    a: Target, b: Target, prompts: list[str], n: int, c: int, warmup: bool = True
 ) -> tuple[Target, Target, list[Result], list[Result], dict[str, float]]:
     """Run both sides in interleaved rounds; also return each side's busy time in seconds."""
     progress = Progress(2 * n, sys.stderr, label="A/B ")
     results: dict[str, list[Result]] = {"a": [], "b": []}
     busy = {"a": 0.0, "b": 0.0}
     async with make_client(a, c) as ca, make_client(b, c) as cb:
-        a = await resolve_model(ca, a)
-        b = await resolve_model(cb, b)
+        a = await prepare(ca, a, warmup=warmup)
+        b = await prepare(cb, b, warmup=warmup)
         try:
             for first in range(0, n, c):  # interleaved rounds: C to A, then the same C prompts to B
                 size = min(c, n - first)
@@ -235,7 +235,9 @@ def main(argv: list[str]) -> int:
             raise ToolError("--confidence must be between 0 and 1, e.g. 0.95")
         a, b = targets_from_args(args)
         prompts = prompts_from_args(args)
-        a, b, ra, rb, busy = asyncio.run(_compare(a, b, prompts, args.requests, args.concurrency))
+        a, b, ra, rb, busy = asyncio.run(
+            _compare(a, b, prompts, args.requests, args.concurrency, not args.no_warmup)
+        )
     except ToolError as e:
         print(f"infertap compare: {e}", file=sys.stderr)
         return 2

@@ -24,8 +24,8 @@ from proxy.tools.client import (
     ToolError,
     add_target_arguments,
     make_client,
+    prepare,
     prompts_from_args,
-    resolve_model,
     run_many,
     target_from_args,
 )
@@ -205,10 +205,12 @@ def format_run(report: dict[str, Any]) -> str:
 # -- main -------------------------------------------------------------------------------------
 
 
-async def _probe(target: Target, prompts: list[str], n: int, c: int) -> tuple[Target, list[Result], float]:
+async def _probe(
+    target: Target, prompts: list[str], n: int, c: int, warmup: bool
+) -> tuple[Target, list[Result], float]:
     progress = Progress(n, sys.stderr)
     async with make_client(target, c) as client:
-        target = await resolve_model(client, target)
+        target = await prepare(client, target, warmup=warmup)
         started = time.perf_counter()
         try:
             results = await run_many(client, target, prompts, n, c, on_done=progress)
@@ -228,7 +230,9 @@ def main(argv: list[str]) -> int:
         prompts = prompts_from_args(args)
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
-        target, results, wall = asyncio.run(_probe(target, prompts, args.requests, args.concurrency))
+        target, results, wall = asyncio.run(
+            _probe(target, prompts, args.requests, args.concurrency, not args.no_warmup)
+        )
     except ToolError as e:
         print(f"infertap probe: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,411 @@
+"""The fault suite: every failure an upstream or a client can produce has a defined, tested result."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from proxy.settings import Settings
+from tests.conftest import RecordingObserver, make_settings, run_proxy, serve_in_thread, wait_until
+from tests.fake_upstream import FakeUpstream
+from tests.promtext import samples, scrape, value
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
+STREAM = {**CHAT, "stream": True}
+CLOSED = "http://127.0.0.1:9/v1"  # the discard port: nothing listens, connections are refused
+
+
+def fast(settings: Settings, attempts: int = 2) -> Settings:
+    settings.retry.max_attempts = attempts
+    settings.retry.backoff_seconds = 0.01
+    settings.timeouts.ttft = 0.5
+    settings.timeouts.idle = 0.5
+    return settings
+
+
+def post(proxy: str, body: dict[str, object], **headers: str) -> httpx.Response:
+    return httpx.post(f"{proxy}/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+
+def outcomes(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for n, lab, v in samples(text):
+        if n == "infertap_requests_total" and v:
+            out[lab["outcome"]] = out.get(lab["outcome"], 0) + v
+    return out
+
+
+@pytest.fixture
+def suite(fake: tuple[FakeUpstream, str]) -> Iterator[tuple[FakeUpstream, str, RecordingObserver]]:
+    upstream, url = fake
+    rec = RecordingObserver()
+    with run_proxy(fast(make_settings(("fake", url))), rec) as proxy:
+        yield upstream, proxy, rec
+
+
+def test_refused_connection_retries_then_502() -> None:
+    with run_proxy(fast(make_settings(("dead", CLOSED)), attempts=3)) as proxy:
+        r = post(proxy, STREAM)
+        text = scrape(proxy)
+    assert r.status_code == 502 and r.json()["error"]["type"] == "connect_error"
+    assert value(text, "infertap_retries_total", reason="connect_error") == 2
+    assert value(text, "infertap_upstream_attempts_total", upstream="dead") == 3
+    assert outcomes(text) == {"connect_error": 1}
+    assert value(text, "infertap_in_flight_requests") == 0
+
+
+def test_accepts_and_never_answers_is_a_ttft_timeout(
+    suite: tuple[FakeUpstream, str, RecordingObserver],
+) -> None:
+    upstream, proxy, _ = suite
+    r = post(proxy, STREAM, **{"x-fake-hang": "before-headers"})
+    text = scrape(proxy)
+    assert r.status_code == 504 and r.json()["error"]["type"] == "ttft_timeout"
+    assert len(upstream.requests) == 2  # retried once
+    assert value(text, "infertap_timeouts_total", phase="ttft") == 2
+    assert outcomes(text) == {"ttft_timeout": 1}
+    assert value(text, "infertap_in_flight_requests") == 0
+
+
+def test_stall_before_first_token_is_retried_and_never_half_sent(
+    suite: tuple[FakeUpstream, str, RecordingObserver],
+) -> None:
+    upstream, proxy, _ = suite
+    # The role chunk arrives, then nothing: nothing was committed, so the client gets a clean 504.
+    r = post(proxy, STREAM, **{"x-fake-hang": "after-role"})
+    assert r.status_code == 504 and r.headers["content-type"] == "application/json"
+    assert len(upstream.requests) == 2
+    assert outcomes(scrape(proxy)) == {"ttft_timeout": 1}
+
+
+def test_429_retry_after_is_honoured(suite: tuple[FakeUpstream, str, RecordingObserver]) -> None:
+    upstream, proxy, _ = suite
+    r = post(
+        proxy,
+        STREAM,
+        **{
+            "x-fake-fail-first": "1",
+            "x-fake-fail-status": "429",
+            "x-fake-retry-after": "1",
+            "x-request-id": "ra",
+        },
+    )
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    assert upstream.arrivals[1] - upstream.arrivals[0] >= 0.9  # waited about the second it was told to
+    text = scrape(proxy)
+    assert value(text, "infertap_retries_total", reason="rate_limited") == 1
+    assert outcomes(text) == {"ok": 1}
+
+
+def test_503_then_200_is_a_normal_answer(suite: tuple[FakeUpstream, str, RecordingObserver]) -> None:
+    upstream, proxy, _ = suite
+    client = openai.OpenAI(base_url=f"{proxy}/v1", api_key="x", max_retries=0)
+    text = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model="fake-model",
+            messages=CHAT["messages"],
+            stream=True,  # type: ignore[arg-type]
+            extra_headers={"x-fake-fail-first": "1", "x-request-id": "r503"},
+        )
+    )
+    client.close()
+    assert text == "".join(f"tok{i} " for i in range(5))
+    metrics = scrape(proxy)
+    assert value(metrics, "infertap_retries_total", reason="upstream_error") == 1
+    assert value(metrics, "infertap_upstream_attempts_total", result="upstream_error") == 1
+    assert outcomes(metrics) == {"ok": 1}
+
+
+def test_400_is_not_retried(suite: tuple[FakeUpstream, str, RecordingObserver]) -> None:
+    upstream, proxy, _ = suite
+    r = post(proxy, CHAT, **{"x-fake-status": "400"})
+    assert r.status_code == 400 and len(upstream.requests) == 1
+    text = scrape(proxy)
+    assert value(text, "infertap_retries_total") == 0
+    assert outcomes(text) == {"client_error": 1}
+
+
+def test_5xx_on_the_last_attempt_reaches_the_client_unchanged(
+    suite: tuple[FakeUpstream, str, RecordingObserver],
+) -> None:
+    upstream, proxy, _ = suite
+    r = post(proxy, CHAT, **{"x-fake-status": "503"})
+    assert r.status_code == 503 and r.json()["error"]["message"] == "fake error 503"
+    assert len(upstream.requests) == 2
+
+
+def test_stall_after_first_token_ends_in_an_sse_error(
+    suite: tuple[FakeUpstream, str, RecordingObserver],
+) -> None:
+    _, proxy, rec = suite
+    r = post(proxy, STREAM, **{"x-fake-hang": "after-first", "x-request-id": "idle"})
+    assert r.status_code == 200
+    last = r.text.strip().split("\n\n")[-1]
+    assert last.startswith('data: {"error"') and "idle_timeout" in last
+    assert rec.wait_terminal("idle").outcome == "idle_timeout"
+    text = scrape(proxy)
+    assert value(text, "infertap_timeouts_total", phase="idle") == 1
+    assert value(text, "infertap_in_flight_requests") == 0
+
+
+def test_cut_mid_stream_makes_the_sdk_raise(suite: tuple[FakeUpstream, str, RecordingObserver]) -> None:
+    _, proxy, rec = suite
+    client = openai.OpenAI(base_url=f"{proxy}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.APIError):
+        for _ in client.chat.completions.create(
+            model="fake-model",
+            messages=CHAT["messages"],
+            stream=True,  # type: ignore[arg-type]
+            extra_headers={"x-fake-cut": "3", "x-request-id": "cut"},
+        ):
+            pass
+    client.close()
+    assert rec.wait_terminal("cut").outcome == "stream_interrupted"
+    assert outcomes(scrape(proxy)) == {"stream_interrupted": 1}
+
+
+def test_malformed_sse_is_relayed_unchanged(suite: tuple[FakeUpstream, str, RecordingObserver]) -> None:
+    upstream, proxy, rec = suite
+    r = post(
+        proxy,
+        {**STREAM, "stream_options": {"include_usage": True}},
+        **{"x-fake-malformed": "1", "x-request-id": "bad-sse"},
+    )
+    assert r.content == bytes(upstream.sent["bad-sse"])
+    assert rec.wait_terminal("bad-sse").outcome == "ok"
+    r = post(
+        proxy,
+        {**STREAM, "stream_options": {"include_usage": True}},
+        **{"x-fake-malformed": "1", "x-fake-no-done": "1", "x-request-id": "bad-sse-2"},
+    )
+    assert r.content.startswith(bytes(upstream.sent["bad-sse-2"])) and b"stream_interrupted" in r.content
+    assert value(scrape(proxy), "infertap_in_flight_requests") == 0
+
+
+def test_enormous_single_event_arrives_whole(fake: tuple[FakeUpstream, str]) -> None:
+    upstream, url = fake
+    rec = RecordingObserver()
+    with run_proxy(make_settings(("fake", url)), rec) as proxy:
+        r = post(
+            proxy,
+            {**STREAM, "stream_options": {"include_usage": True}},
+            **{"x-fake-events": "2", "x-fake-event-bytes": str(4 * 1024 * 1024), "x-request-id": "big"},
+        )
+    assert len(r.content) > 8 * 1024 * 1024
+    assert r.content == bytes(upstream.sent["big"])
+    assert rec.wait_terminal("big").output_events == 2
+
+
+def test_very_slow_answer_completes(suite: tuple[FakeUpstream, str, RecordingObserver]) -> None:
+    _, proxy, rec = suite
+    r = post(proxy, STREAM, **{"x-fake-events": "3", "x-fake-gap-ms": "300", "x-request-id": "slow"})
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    assert rec.wait_terminal("slow").outcome == "ok"
+
+
+def test_fallback_to_a_healthy_upstream(fake: tuple[FakeUpstream, str]) -> None:
+    upstream, url = fake
+    settings = fast(make_settings(("a", CLOSED), ("b", url)))
+    settings.upstreams[0].fallback = ["b"]
+    rec = RecordingObserver()
+    with run_proxy(settings, rec) as proxy:
+        r = post(proxy, STREAM, **{"x-request-id": "fb"})
+        text = scrape(proxy)
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    assert rec.exchanges["fb"].upstream == "b"
+    assert value(text, "infertap_requests_total", upstream="b", outcome="ok") == 1
+    assert value(text, "infertap_requests_total", upstream="a") == 0
+    assert value(text, "infertap_upstream_attempts_total", upstream="a", result="connect_error") == 2
+    assert len(upstream.requests) == 1
+
+
+def test_circuit_opens_then_probes_and_closes(fake: tuple[FakeUpstream, str]) -> None:
+    upstream, url = fake
+    settings = fast(make_settings(("fake", url)), attempts=1)
+    settings.circuit.failure_threshold = 2
+    settings.circuit.cooldown_seconds = 0.3
+    with run_proxy(settings) as proxy:
+        for _ in range(2):
+            assert post(proxy, CHAT, **{"x-fake-status": "500"}).status_code == 500
+        assert value(scrape(proxy), "infertap_upstream_up", upstream="fake") == 0
+        fast_fail = post(proxy, CHAT)
+        assert fast_fail.status_code == 503 and fast_fail.json()["error"]["code"] == "circuit_open"
+        assert len(upstream.requests) == 2  # the open circuit kept the request away
+        # After the cool-down one real request probes the upstream; it is healthy again.
+        wait_until(lambda: post(proxy, CHAT).status_code == 200, 10, "the circuit to close")
+        assert value(scrape(proxy), "infertap_upstream_up", upstream="fake") == 1
+
+
+def test_concurrency_cap_answers_429(fake: tuple[FakeUpstream, str]) -> None:
+    upstream, url = fake
+    settings = fast(make_settings(("fake", url)))
+    settings.server.max_concurrency = 1
+    settings.timeouts.ttft = 30
+    with run_proxy(settings) as proxy, httpx.Client(timeout=httpx.Timeout(10, read=0.3)) as c:
+        with (
+            pytest.raises(httpx.ReadTimeout),
+            c.stream(
+                "POST", f"{proxy}/v1/chat/completions", json=STREAM, headers={"x-fake-hang": "before-headers"}
+            ) as hung,
+        ):
+            wait_until(lambda: len(upstream.requests) == 1, what="the first request to reach the upstream")
+            second = httpx.post(f"{proxy}/v1/chat/completions", json=STREAM)
+            assert second.status_code == 429 and second.headers["retry-after"] == "1"
+            assert second.json()["error"]["code"] == "too_many_requests"
+            hung.read()
+        wait_until(lambda: value(scrape(proxy), "infertap_in_flight_requests") == 0)
+        assert post(proxy, STREAM).status_code == 200
+
+
+@pytest.fixture
+def keyed(
+    fake: tuple[FakeUpstream, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> Iterator[tuple[FakeUpstream, str]]:
+    upstream, url = fake
+    monkeypatch.setenv("TEST_CLIENT_KEYS", "sk-alice-1234,sk-bob-5678")
+    hashes = tmp_path / "keys.sha256"
+    hashes.write_text("# carol\n" + hashlib.sha256(b"sk-carol-9999").hexdigest() + "\n")
+    settings = make_settings(("fake", url))
+    settings.auth.keys_env = "TEST_CLIENT_KEYS"
+    settings.auth.keys_file = str(hashes)
+    with run_proxy(settings) as proxy:
+        yield upstream, proxy
+
+
+@pytest.mark.parametrize("auth", [None, "Bearer sk-wrong", "sk-alice-1234", "Basic c2stYWxpY2U=", "Bearer"])
+def test_client_keys_reject(keyed: tuple[FakeUpstream, str], auth: str | None) -> None:
+    upstream, proxy = keyed
+    headers = {} if auth is None else {"authorization": auth}
+    r = httpx.post(f"{proxy}/v1/chat/completions", json=CHAT, headers=headers)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert not upstream.requests
+    assert httpx.get(f"{proxy}/healthz").status_code == 200
+
+
+@pytest.mark.parametrize("key", ["sk-alice-1234", "sk-bob-5678", "sk-carol-9999"])
+def test_client_keys_accept(keyed: tuple[FakeUpstream, str], key: str) -> None:
+    upstream, proxy = keyed
+    r = httpx.post(f"{proxy}/v1/chat/completions", json=CHAT, headers={"authorization": f"Bearer {key}"})
+    assert r.status_code == 200 and len(upstream.requests) == 1
+    assert "authorization" not in upstream.requests[0].headers  # the client's key stays with infertap
+
+
+def test_metrics_token(fake: tuple[FakeUpstream, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    _, url = fake
+    monkeypatch.setenv("TEST_METRICS_TOKEN", "scrape-me")
+    settings = make_settings(("fake", url))
+    settings.auth.metrics_token_env = "TEST_METRICS_TOKEN"
+    with run_proxy(settings) as proxy:
+        assert httpx.get(f"{proxy}/metrics").status_code == 401
+        ok = httpx.get(f"{proxy}/metrics", headers={"authorization": "Bearer scrape-me"})
+        assert ok.status_code == 200 and "infertap_build_info" in ok.text
+
+
+def test_upstream_key_appears_nowhere_after_the_fault_suite(
+    fake: tuple[FakeUpstream, str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    upstream, url = fake
+    secret = "sk-upstream-never-leak-7d3a"
+    monkeypatch.setenv("FAULT_UPSTREAM_KEY", secret)
+    settings = fast(make_settings(("fake", url), ("dead", CLOSED)))
+    settings.upstreams[0].api_key_env = "FAULT_UPSTREAM_KEY"
+    settings.upstreams[1].api_key_env = "FAULT_UPSTREAM_KEY"
+    settings.upstreams[1].models = ["dead-*"]
+    caplog.set_level("DEBUG")
+    seen: list[bytes] = []
+    faults = [
+        {},
+        {"x-fake-hang": "before-headers"},
+        {"x-fake-hang": "after-first"},
+        {"x-fake-cut": "1"},
+        {"x-fake-status": "500"},
+        {"x-fake-status": "401"},
+        {"x-fake-malformed": "1"},
+        {"x-fake-fail-first": "1"},
+    ]
+    with run_proxy(settings) as proxy:
+        for i, h in enumerate(faults):
+            r = post(proxy, STREAM, **h, **{"x-request-id": f"k{i}"})
+            seen.append(r.content + repr(r.headers).encode())
+        r = post(proxy, {**STREAM, "model": "dead-1"})
+        seen.append(r.content + repr(r.headers).encode())
+        seen.append(scrape(proxy).encode())
+        seen.append(httpx.get(f"{proxy}/readyz").content + httpx.get(f"{proxy}/v1/models").content)
+    assert all(req.headers.get("authorization") == f"Bearer {secret}" for req in upstream.requests)
+    assert not any(secret.encode() in s for s in seen)
+    assert secret not in caplog.text
+
+
+def _rss_kb(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(field)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RSS from /proc")
+def test_slow_reading_client_keeps_memory_bounded(fake: tuple[FakeUpstream, str]) -> None:
+    _, url = fake
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "proxy",
+            "serve",
+            "--port",
+            str(port),
+            "--upstream",
+            f"fake={url}",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "INFERTAP_METRICS__ACCESS_LOG": "false"},
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"{base}/healthz").status_code == 200
+            except httpx.HTTPError:
+                return proc.poll() is not None
+
+        wait_until(up, 30, "the proxy")
+        before = _rss_kb(proc.pid, "VmRSS")
+        total = 0
+        # 1,200 events of 64 KiB: about 80 MB that the upstream can produce far faster than this
+        # client reads. Buffering it would grow the proxy by as much.
+        with (
+            httpx.Client(timeout=60) as c,
+            c.stream(
+                "POST",
+                f"{base}/v1/chat/completions",
+                json=STREAM,
+                headers={"x-fake-events": "1200", "x-fake-event-bytes": str(64 * 1024)},
+            ) as r,
+        ):
+            for piece in r.iter_raw(64 * 1024):
+                total += len(piece)
+                time.sleep(0.0005)  # a slow reader, on purpose: this is the client under test
+        peak = _rss_kb(proc.pid, "VmHWM")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+    assert total > 75 * 1024 * 1024
+    assert peak - before < 40 * 1024, f"proxy RSS grew by {(peak - before) // 1024} MB for an 80 MB stream"
