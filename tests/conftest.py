@@ -19,9 +19,17 @@ from tests.fake_upstream import FakeUpstream
 @contextmanager
 def serve_in_thread(app: Any) -> Iterator[str]:
     """Run `app` under a real uvicorn on 127.0.0.1 with an OS-chosen port; yield its base URL."""
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
-                            loop="asyncio", http="httptools", access_log=False,
-                            timeout_graceful_shutdown=2)
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=0,
+        log_level="warning",
+        lifespan="on",
+        loop="asyncio",
+        http="httptools",
+        access_log=False,
+        timeout_graceful_shutdown=2,
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

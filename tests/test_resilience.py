@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from proxy.settings import Settings
-from tests.conftest import RecordingObserver, make_settings, run_proxy, serve_in_thread, wait_until
+from tests.conftest import RecordingObserver, make_settings, run_proxy, wait_until
 from tests.fake_upstream import FakeUpstream
 from tests.promtext import samples, scrape, value
 

@@ -96,6 +96,8 @@ def layout(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
     x = y = row_h = 0
     for i, p in enumerate(panels, start=1):
         p["id"] = i
+        for n, target in enumerate(p.get("targets", [])):
+            target["refId"] = chr(ord("A") + n)
         g = p["gridPos"]
         if x + g["w"] > 24:
             x, y, row_h = 0, y + row_h, 0
@@ -109,7 +111,7 @@ def variables(with_upstream: bool = True) -> list[dict[str, Any]]:
     def query_var(name: str, label: str, metric: str) -> dict[str, Any]:
         return {"name": name, "label": label, "type": "query", "datasource": PROM,
                 "query": {"query": f"label_values({metric}, {name})", "refId": f"{name}-var"},
-                "definition": f"label_values({metric}, {name})", "refresh": 2, "sort": 1,
+                "refresh": 2, "sort": 1,
                 "includeAll": True, "multi": True, "allValue": ".*",
                 "current": {"selected": True, "text": ["All"], "value": ["$__all"]}}
 
