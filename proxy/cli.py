@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "engine-args": ("proxy.tools.engine_args", "turn an engine config.toml into vLLM/SGLang/LMDeploy flags"),
     "doctor": ("proxy.tools.doctor", "diagnose the common prefill/decode faults from /metrics"),
     "bench": ("proxy.tools.bench", "benchmark infertap's overhead against a direct connection"),
+    "soak": ("proxy.tools.soak", "many concurrent streams with faults, checked byte for byte"),
 }
 
 

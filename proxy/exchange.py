@@ -92,6 +92,12 @@ class Exchange:
     trace_context: dict[str, str] = field(default_factory=dict)
     # Set by the tracing observer when a span is recorded; metrics attach it as an exemplar.
     trace_id: str | None = None
+    # Content, for opt-in capture only (tracing's capture_content). The parsed request body
+    # (a reference, no copy); and the relayed answer's text, collected only when an observer
+    # sets `capture_output_chars` > 0 in request_received (at most that many characters).
+    request_json: dict[str, Any] | None = None
+    capture_output_chars: int = 0
+    output_text: str | None = None
     # Per-request state for observers (a span, say), keyed by the observer's name.
     scratch: dict[str, Any] = field(default_factory=dict)
 

@@ -141,6 +141,7 @@ class Forwarder:
             return
         obj = parsed.obj
         if obj is not None:
+            ex.request_json = obj
             ex.model = obj["model"]
             ex.stream = obj.get("stream") is True
             ex.prompt_chars = prompt_chars(obj)
@@ -381,7 +382,9 @@ class Forwarder:
                 if not (generation_stream and status == 200 and is_sse):
                     ready = _Ready(resp, chunks)
                     return ready
-                ready = await self._until_first_output(resp, chunks, ex.usage_injected)
+                ready = await self._until_first_output(
+                    resp, chunks, ex.usage_injected, ex.capture_output_chars
+                )
                 return ready
         except TimeoutError:
             return _Failure(
@@ -406,9 +409,11 @@ class Forwarder:
                 await resp.aclose()
 
     @staticmethod
-    async def _until_first_output(resp: httpx.Response, chunks: AsyncIterator[bytes], strip: bool) -> _Ready:
+    async def _until_first_output(
+        resp: httpx.Response, chunks: AsyncIterator[bytes], strip: bool, capture_chars: int = 0
+    ) -> _Ready:
         """Reads a generation stream until its first output event (or its end), holding the bytes."""
-        scanner = SSEScanner(strip_usage_only=strip)
+        scanner = SSEScanner(strip_usage_only=strip, capture_chars=capture_chars)
         ready = _Ready(resp, chunks, scanner)
         async for data in chunks:
             out, outputs = scanner.feed(data)
@@ -462,7 +467,7 @@ class Forwarder:
                     ex.error_message = msg
             else:
                 capture = ex.route in JSON_ROUTES and "json" in resp.headers.get("content-type", "")
-                facts = await relay_body(send, ready.chunks, capture)
+                facts = await relay_body(send, ready.chunks, capture, ex.capture_output_chars)
         except httpx.HTTPError as e:
             kind = classify(e)
             if kind not in (ErrorKind.IDLE_TIMEOUT, ErrorKind.TTFT_TIMEOUT):

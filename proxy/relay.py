@@ -63,9 +63,11 @@ async def relay_sse(
             await send({"type": "http.response.body", "body": tail, "more_body": True})
 
 
-async def relay_body(send: Send, chunks: AsyncIterator[bytes], capture: bool) -> StreamFacts:
+async def relay_body(
+    send: Send, chunks: AsyncIterator[bytes], capture: bool, capture_chars: int = 0
+) -> StreamFacts:
     """A plain body, forwarded as it comes; JSON kept (up to a cap) to read its usage at the end."""
-    facts = StreamFacts()
+    facts = StreamFacts(capture_chars=capture_chars)
     parts: list[bytes] | None = [] if capture else None
     size = 0
     async for data in chunks:
@@ -97,6 +99,8 @@ def take_facts(ex: Exchange, facts: StreamFacts) -> None:
     ex.response_id = facts.response_id
     ex.response_model = facts.response_model
     ex.finish_reasons = facts.finish_reasons
+    if facts.capture_chars:
+        ex.output_text = "".join(facts.text)
 
 
 def status_outcome(status: int) -> Outcome:

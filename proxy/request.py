@@ -32,6 +32,8 @@ _HOP_BY_HOP = frozenset(
     }
 )
 # Never forwarded upstream: credentials (infertap adds the upstream's own) and what httpx sets.
+# traceparent/tracestate pass through, so an engine's traces join the caller's even with tracing
+# off; the tracing observer replaces them with its attempt span's context.
 DROP_REQUEST = _HOP_BY_HOP | {
     "host",
     "content-length",
@@ -41,8 +43,6 @@ DROP_REQUEST = _HOP_BY_HOP | {
     "cookie",
     "accept-encoding",
     "x-request-id",
-    "traceparent",
-    "tracestate",
 }
 DROP_RESPONSE = frozenset(
     h.encode() for h in _HOP_BY_HOP | {"date", "server", "x-request-id", "content-length"}

@@ -55,6 +55,13 @@ class StreamFacts:
     finish_reasons: list[str] = field(default_factory=list)
     error_events: int = 0
     events: int = 0
+    # Output text of the first choice, collected only when capture_chars > 0 (opt-in).
+    capture_chars: int = 0
+    text: list[str] = field(default_factory=list)
+    text_chars: int = 0
+
+    def wants_text(self) -> bool:
+        return self.text_chars < self.capture_chars
 
 
 class SSEScanner:
@@ -66,10 +73,10 @@ class SSEScanner:
 
     __slots__ = ("_tail", "_strip_usage_only", "facts")
 
-    def __init__(self, strip_usage_only: bool = False) -> None:
+    def __init__(self, strip_usage_only: bool = False, capture_chars: int = 0) -> None:
         self._tail = bytearray()
         self._strip_usage_only = strip_usage_only
-        self.facts = StreamFacts()
+        self.facts = StreamFacts(capture_chars=capture_chars)
 
     def feed(self, chunk: bytes) -> tuple[bytes, int]:
         if self._tail:
@@ -141,6 +148,7 @@ class SSEScanner:
         if _OUTPUT.search(event) is not None:
             if (
                 facts.events == 1
+                or facts.wants_text()
                 or (b'"finish_reason"' in event and _FINISH.search(event) is not None)
                 or (b'"usage"' in event and _USAGE.search(event) is not None)
             ):
@@ -184,6 +192,18 @@ def absorb_response(facts: StreamFacts, obj: dict[str, Any]) -> None:
         for choice in choices:
             if isinstance(choice, dict) and isinstance(choice.get("finish_reason"), str):
                 facts.finish_reasons.append(choice["finish_reason"])
+        if facts.wants_text() and choices and isinstance(choices[0], dict):
+            _take_text(facts, choices[0])
+
+
+def _take_text(facts: StreamFacts, choice: dict[str, Any]) -> None:
+    """Append the text of a chunk's delta, a message or a completion choice, up to the cap."""
+    holder = choice.get("delta", choice.get("message"))
+    text = holder.get("content") if isinstance(holder, dict) else choice.get("text")
+    if isinstance(text, str) and text:
+        text = text[: facts.capture_chars - facts.text_chars]
+        facts.text.append(text)
+        facts.text_chars += len(text)
 
 
 def error_event(message: str, kind: str, code: str | None = None) -> bytes:

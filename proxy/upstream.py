@@ -197,7 +197,10 @@ def make_client(timeouts: TimeoutSettings, max_connections: int = 1000) -> httpx
         timeout=httpx.Timeout(
             connect=timeouts.connect, read=timeouts.idle, write=timeouts.write, pool=timeouts.pool
         ),
-        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        # Expire idle connections before a typical server's 5 s keep-alive closes them under us.
+        limits=httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=4.0
+        ),
         trust_env=False,
         follow_redirects=False,
     )

@@ -204,18 +204,21 @@ def format_report(report: dict[str, Any]) -> str:
         if r["token_source"]:
             lines.append(f"{' ' * (len(label) + 2)}output tokens: {TOKEN_SOURCE_TEXT[r['token_source']]}")
     pct = f"{report['bootstrap']['confidence'] * 100:g}% CI"
-    lines += [
-        "",
-        f"{'':<7}{la + ' p50':>12}{la + ' p90':>12}{lb + ' p50':>12}{lb + ' p90':>12}"
-        f"{lb + '/' + la:>9}  {pct}",
-    ]
+    heads = [f"{la} p50", f"{la} p90", f"{lb} p50", f"{lb} p90", f"{lb}/{la}"]
+    width = max(11, *(len(h) for h in heads)) + 2
+    lines += ["", f"{'':<7}" + "".join(f"{h:>{width}}" for h in heads) + f"  {pct}"]
     for label, key, digits in METRICS:
         sa, sb = report["a"]["summary"][key], report["b"]["summary"][key]
         m = report["metrics"][key]
         cells = [fmt_seconds(s[q], digits) if s else "-" for s in (sa, sb) for q in ("p50", "p90")]
-        ratio = f"{fmt_ratio(m['ratio_b_over_a'])}×" if m["ratio_b_over_a"] is not None else "-"
-        ci = "–".join(_ratios(m["ci_low"], m["ci_high"])) + "×" if m["ci_low"] is not None else "-"
-        lines.append(f"{label:<7}" + "".join(f"{c:>12}" for c in cells) + f"{ratio:>9}  {ci}")
+        ci = "-"
+        if m["ci_low"] is not None:
+            r, lo, hi = _ratios(m["ratio_b_over_a"], m["ci_low"], m["ci_high"])
+            cells.append(f"{r}×")
+            ci = f"{lo}–{hi}×"
+        else:
+            cells.append("-")
+        lines.append(f"{label:<7}" + "".join(f"{c:>{width}}" for c in cells) + f"  {ci}")
     lines += ["", "verdict:"] + [f"  {report['metrics'][key]['verdict']}" for key in ("ttft_s", "tpot_s")]
     for side, label in (("a", la), ("b", lb)):
         if report[side]["errors"]:

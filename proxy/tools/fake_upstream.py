@@ -1,4 +1,4 @@
-"""A scriptable OpenAI-compatible upstream for tests, driven by request headers.
+"""A scriptable OpenAI-compatible upstream (tests, soak, benchmark), driven by request headers.
 
 The client sets `x-fake-*` headers (infertap forwards them), so each test scripts its own
 upstream behaviour while the same server instance records what it received and sent.

