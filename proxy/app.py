@@ -27,6 +27,7 @@ from proxy.observer import Observer, ObserverSet
 from proxy.request import display_url
 from proxy.settings import Settings
 from proxy.tracing import build_tracing
+from proxy.ui import UIObserver, UIRoutes
 from proxy.upstream import Router, Upstream, describe, make_client
 
 log = logging.getLogger("infertap.app")
@@ -66,6 +67,9 @@ class InfertapApp:
         }
         if metrics is not None:
             self._plain[("GET", "/metrics")] = self._metrics
+        ui = next((o for o in observers if isinstance(o, UIObserver)), None)
+        if settings.ui.enabled and ui is not None:
+            self._plain.update(UIRoutes(ui, self.metrics_token).routes())
 
     # -- lifespan ---------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -273,5 +277,7 @@ def create_app(
         chain.append(collector)
     if settings.metrics.access_log:
         chain.append(AccessLog(settings.metrics.access_log_format))
+    if settings.ui.enabled:
+        chain.append(UIObserver(settings, collector.model_label if collector is not None else None))
     chain.extend(observers)
     return InfertapApp(settings, chain, collector)

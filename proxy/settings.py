@@ -122,6 +122,25 @@ class TracingSettings(_Section):
     content_max_chars: int = Field(default=4096, ge=0)
 
 
+class UISettings(_Section):
+    """The built-in page at /ui (docs/ui.md): bounded in-memory rings, one set per worker."""
+
+    enabled: bool = Field(default=True, description="serve /ui and /ui/data; false answers 404")
+    window_seconds: int = Field(default=600, ge=10, le=3600, description="the history the charts span")
+    step_seconds: int = Field(default=5, ge=1, le=300, description="one chart point (quantiles, rates)")
+    recent_requests: int = Field(default=100, ge=1, le=10_000, description="rows in the last-requests table")
+    samples_per_step: int = Field(
+        default=200, ge=10, le=10_000, description="TTFT/TPOT samples kept per model and step (uniform beyond)"
+    )
+    refresh_seconds: float = Field(default=2.0, ge=0.5, le=60, description="how often the page reloads its data")
+
+    @model_validator(mode="after")
+    def _steps(self) -> Self:
+        if self.window_seconds < 2 * self.step_seconds:
+            raise ValueError("window_seconds must be at least twice step_seconds")
+        return self
+
+
 class UpstreamSettings(_Section):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
     base_url: str = Field(description="the OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
@@ -207,6 +226,7 @@ class Settings(BaseSettings):
     auth: AuthSettings = Field(default_factory=AuthSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
+    ui: UISettings = Field(default_factory=UISettings)
     sim_config: str | None = Field(
         default=None, description="engine config.toml for the embedded simulated engine"
     )

@@ -13,7 +13,7 @@ from proxy.app import create_app
 from proxy.exchange import Exchange
 from proxy.observer import HOOKS, Observer
 from proxy.settings import Settings, UpstreamSettings
-from tests.fake_upstream import FakeUpstream
+from proxy.tools.fake_upstream import FakeUpstream
 
 
 @contextmanager

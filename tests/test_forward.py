@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
+from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import RecordingObserver, make_settings, run_proxy, wait_until
-from tests.fake_upstream import FakeUpstream
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
 

@@ -15,8 +15,8 @@ import pytest
 
 from proxy.exchange import Exchange
 from proxy.observer import Observer
+from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import RecordingObserver, make_settings, run_proxy, wait_until
-from tests.fake_upstream import FakeUpstream
 from tests.promtext import samples, scrape, value
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}

@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from proxy.settings import Settings
+from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import RecordingObserver, make_settings, run_proxy, wait_until
-from tests.fake_upstream import FakeUpstream
 from tests.promtext import samples, scrape, value
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}

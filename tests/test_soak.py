@@ -1,4 +1,4 @@
-"""A short soak: concurrent streams with faults mixed in, every byte checked (docs/resilience.md has a long run)."""
+"""A short soak: concurrent streams with faults, every byte checked (docs/resilience.md: a long run)."""
 
 from __future__ import annotations
 

@@ -28,8 +28,14 @@ FAULTS = {
 
 
 def q(expr: str, legend: str = "", exemplar: bool = False, fmt: str = "time_series") -> dict[str, Any]:
-    return {"datasource": PROM, "expr": expr, "legendFormat": legend or "__auto", "exemplar": exemplar,
-            "format": fmt, "range": True}
+    return {
+        "datasource": PROM,
+        "expr": expr,
+        "legendFormat": legend or "__auto",
+        "exemplar": exemplar,
+        "format": fmt,
+        "range": True,
+    }
 
 
 def hq(quantile: float, metric: str, sel: str, by: str = "") -> str:
@@ -41,54 +47,97 @@ def quantiles(metric: str, sel: str, qs: tuple[float, ...], exemplar: bool = Fal
     return [q(hq(x, metric, sel), f"p{round(x * 100)}", exemplar) for x in qs]
 
 
-def ts(title: str, targets: list[dict[str, Any]], unit: str, description: str, w: int = 12,
-       h: int = 8, stack: bool = False) -> dict[str, Any]:
-    custom: dict[str, Any] = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10, "showPoints": "never",
-                              "spanNulls": False}
+def ts(
+    title: str,
+    targets: list[dict[str, Any]],
+    unit: str,
+    description: str,
+    w: int = 12,
+    h: int = 8,
+    stack: bool = False,
+) -> dict[str, Any]:
+    custom: dict[str, Any] = {
+        "drawStyle": "line",
+        "lineWidth": 1,
+        "fillOpacity": 10,
+        "showPoints": "never",
+        "spanNulls": False,
+    }
     if stack:
         custom["stacking"] = {"mode": "normal", "group": "A"}
     return {
-        "type": "timeseries", "title": title, "description": description, "datasource": PROM,
+        "type": "timeseries",
+        "title": title,
+        "description": description,
+        "datasource": PROM,
         "gridPos": {"h": h, "w": w, "x": 0, "y": 0},
         "fieldConfig": {"defaults": {"unit": unit, "custom": custom}, "overrides": []},
-        "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
-                    "tooltip": {"mode": "multi", "sort": "desc"}},
+        "options": {
+            "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
         "targets": targets,
     }
 
 
 def heatmap(title: str, expr: str, unit: str, description: str, exemplar: bool = False) -> dict[str, Any]:
     return {
-        "type": "heatmap", "title": title, "description": description, "datasource": PROM,
-        "gridPos": {"h": 8, "w": 12, "x": 0, "y": 0}, "maxDataPoints": 60,
+        "type": "heatmap",
+        "title": title,
+        "description": description,
+        "datasource": PROM,
+        "gridPos": {"h": 8, "w": 12, "x": 0, "y": 0},
+        "maxDataPoints": 60,
         "fieldConfig": {"defaults": {}, "overrides": []},
-        "options": {"calculate": False, "yAxis": {"unit": unit, "axisPlacement": "left"},
-                    "cellGap": 1, "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64},
-                    "exemplars": {"color": "rgba(255,0,255,0.7)"}, "tooltip": {"mode": "single"},
-                    "rowsFrame": {"layout": "auto"}, "legend": {"show": True}},
+        "options": {
+            "calculate": False,
+            "yAxis": {"unit": unit, "axisPlacement": "left"},
+            "cellGap": 1,
+            "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64},
+            "exemplars": {"color": "rgba(255,0,255,0.7)"},
+            "tooltip": {"mode": "single"},
+            "rowsFrame": {"layout": "auto"},
+            "legend": {"show": True},
+        },
         "targets": [q(expr, "{{le}}", exemplar, "heatmap")],
     }
 
 
 def stat(title: str, expr: str, unit: str, description: str, legend: str = "") -> dict[str, Any]:
     return {
-        "type": "stat", "title": title, "description": description, "datasource": PROM,
+        "type": "stat",
+        "title": title,
+        "description": description,
+        "datasource": PROM,
         "gridPos": {"h": 4, "w": 6, "x": 0, "y": 0},
         "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-        "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                    "colorMode": "value", "graphMode": "area", "textMode": "auto"},
+        "options": {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "colorMode": "value",
+            "graphMode": "area",
+            "textMode": "auto",
+        },
         "targets": [q(expr, legend)],
     }
 
 
 def text(title: str, content: str, w: int = 24, h: int = 7) -> dict[str, Any]:
-    return {"type": "text", "title": title, "gridPos": {"h": h, "w": w, "x": 0, "y": 0},
-            "options": {"mode": "markdown", "content": content}}
+    return {
+        "type": "text",
+        "title": title,
+        "gridPos": {"h": h, "w": w, "x": 0, "y": 0},
+        "options": {"mode": "markdown", "content": content},
+    }
 
 
 def row(title: str) -> dict[str, Any]:
-    return {"type": "row", "title": title, "collapsed": False, "panels": [],
-            "gridPos": {"h": 1, "w": 24, "x": 0, "y": 0}}
+    return {
+        "type": "row",
+        "title": title,
+        "collapsed": False,
+        "panels": [],
+        "gridPos": {"h": 1, "w": 24, "x": 0, "y": 0},
+    }
 
 
 def layout(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -109,15 +158,31 @@ def layout(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def variables(with_upstream: bool = True) -> list[dict[str, Any]]:
     def query_var(name: str, label: str, metric: str) -> dict[str, Any]:
-        return {"name": name, "label": label, "type": "query", "datasource": PROM,
-                "query": {"query": f"label_values({metric}, {name})", "refId": f"{name}-var"},
-                "refresh": 2, "sort": 1,
-                "includeAll": True, "multi": True, "allValue": ".*",
-                "current": {"selected": True, "text": ["All"], "value": ["$__all"]}}
+        return {
+            "name": name,
+            "label": label,
+            "type": "query",
+            "datasource": PROM,
+            "query": {"query": f"label_values({metric}, {name})", "refId": f"{name}-var"},
+            "refresh": 2,
+            "sort": 1,
+            "includeAll": True,
+            "multi": True,
+            "allValue": ".*",
+            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        }
 
-    out: list[dict[str, Any]] = [{"name": "datasource", "label": "Prometheus", "type": "datasource",
-                                  "query": "prometheus", "refresh": 1, "regex": "",
-                                  "current": {"selected": False, "text": "Prometheus", "value": "prometheus"}}]
+    out: list[dict[str, Any]] = [
+        {
+            "name": "datasource",
+            "label": "Prometheus",
+            "type": "datasource",
+            "query": "prometheus",
+            "refresh": 1,
+            "regex": "",
+            "current": {"selected": False, "text": "Prometheus", "value": "prometheus"},
+        }
+    ]
     out.append(query_var("model", "Model", "infertap_requests_total"))
     if with_upstream:
         out.append(query_var("upstream", "Upstream", "infertap_requests_total"))
@@ -126,20 +191,58 @@ def variables(with_upstream: bool = True) -> list[dict[str, Any]]:
 
 def dashboard(uid: str, title: str, description: str, panels: list[dict[str, Any]]) -> dict[str, Any]:
     return {
-        "uid": uid, "title": title, "description": description, "tags": ["infertap", "llm"],
-        "schemaVersion": 39, "version": 1, "editable": True, "graphTooltip": 1,
-        "time": {"from": "now-3h", "to": "now"}, "refresh": "30s", "timezone": "browser",
-        "fiscalYearStartMonth": 0, "liveNow": False,
-        "annotations": {"list": [{"builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"},
-                                  "enable": True, "hide": True, "iconColor": "rgba(0, 211, 255, 1)",
-                                  "name": "Annotations & Alerts", "type": "dashboard"}]},
-        "links": [{"title": "infertap dashboards", "type": "dashboards", "tags": ["infertap"],
-                   "asDropdown": True, "includeVars": True, "keepTime": True, "icon": "external link",
-                   "targetBlank": False, "tooltip": "", "url": ""},
-                  {"title": "Traces (Jaeger)", "type": "link", "icon": "external link", "tags": [],
-                   "asDropdown": False, "includeVars": False, "keepTime": True, "targetBlank": True,
-                   "tooltip": "Explore traces; exemplar dots on TTFT and e2e panels open one trace",
-                   "url": f"/explore?left=%7B%22datasource%22:%22{TRACES_UID}%22%7D"}],
+        "uid": uid,
+        "title": title,
+        "description": description,
+        "tags": ["infertap", "llm"],
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "graphTooltip": 1,
+        "time": {"from": "now-3h", "to": "now"},
+        "refresh": "30s",
+        "timezone": "browser",
+        "fiscalYearStartMonth": 0,
+        "liveNow": False,
+        "annotations": {
+            "list": [
+                {
+                    "builtIn": 1,
+                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                    "enable": True,
+                    "hide": True,
+                    "iconColor": "rgba(0, 211, 255, 1)",
+                    "name": "Annotations & Alerts",
+                    "type": "dashboard",
+                }
+            ]
+        },
+        "links": [
+            {
+                "title": "infertap dashboards",
+                "type": "dashboards",
+                "tags": ["infertap"],
+                "asDropdown": True,
+                "includeVars": True,
+                "keepTime": True,
+                "icon": "external link",
+                "targetBlank": False,
+                "tooltip": "",
+                "url": "",
+            },
+            {
+                "title": "Traces (Jaeger)",
+                "type": "link",
+                "icon": "external link",
+                "tags": [],
+                "asDropdown": False,
+                "includeVars": False,
+                "keepTime": True,
+                "targetBlank": True,
+                "tooltip": "Explore traces; exemplar dots on TTFT and e2e panels open one trace",
+                "url": f"/explore?left=%7B%22datasource%22:%22{TRACES_UID}%22%7D",
+            },
+        ],
         "templating": {"list": variables()},
         "panels": layout(panels),
     }
@@ -148,165 +251,370 @@ def dashboard(uid: str, title: str, description: str, panels: list[dict[str, Any
 def overview() -> dict[str, Any]:
     req = f"infertap_requests_total{{{SEL}}}"
     err = f'infertap_requests_total{{{SEL},outcome!~"ok|client_error|client_disconnect"}}'
-    return dashboard("infertap-overview", "infertap / Overview",
-                     "What users of the LLM API feel: traffic, errors, timeouts and latency through infertap.", [
-        row("Traffic and errors"),
-        stat("Requests/s", f"sum(rate({req}[{RI}]))", "reqps", "All requests through infertap."),
-        stat("Error ratio", f"sum(rate({err}[{RI}])) / sum(rate({req}[{RI}]))", "percentunit",
-             "Requests that ended in an outcome other than ok, client_error or client_disconnect."),
-        stat("In flight", f"sum(infertap_in_flight_requests{{{UP}}})", "short",
-             "Requests being served now. It returns to 0 when traffic stops; if it does not, a stream leaked."),
-        stat("Version", "count by (version) (infertap_build_info)", "short",
-             "Replicas per infertap version.", "{{version}}"),
-        ts("Requests/s by outcome", [q(f"sum by (outcome) (rate({req}[{RI}]))", "{{outcome}}")], "reqps",
-           "Every request ends with exactly one outcome: ok, client_error, rate_limited, upstream_error, "
-           "connect_error, connect_timeout, ttft_timeout, idle_timeout, total_timeout, stream_interrupted, "
-           "client_disconnect or rejected.", stack=True),
-        ts("Error and timeout ratio", [
-            q(f"sum(rate({err}[{RI}])) / sum(rate({req}[{RI}]))", "errors / requests"),
-            q(f"sum by (phase) (rate(infertap_timeouts_total{{{UP}}}[{RI}])) / ignoring (phase) group_left "
-              f"sum(rate(infertap_upstream_attempts_total{{{UP}}}[{RI}]))", "timeouts ({{phase}}) / attempts"),
-        ], "percentunit", "Alerts InfertapHighErrorRatio (5%) and InfertapHighTimeoutRate (2%) read these."),
-        ts("In-flight requests", [q(f"sum by (upstream) (infertap_in_flight_requests{{{UP}}})", "{{upstream}}")],
-           "short", "Concurrent requests per upstream."),
-        ts("Upstream attempts, retries and circuit", [
-            q(f"sum by (upstream, result) (rate(infertap_upstream_attempts_total{{{UP}}}[{RI}]))",
-              "attempts {{upstream}} {{result}}"),
-            q(f"sum by (upstream, reason) (rate(infertap_retries_total{{{UP}}}[{RI}]))",
-              "retries {{upstream}} {{reason}}"),
-            q(f"max by (upstream) (infertap_upstream_up{{{UP}}})", "up {{upstream}}"),
-        ], "short", "Attempts by result and retries by reason, per second; up is 1 while the upstream's "
-           "circuit is closed, 0 while it is open."),
-        ts("Interrupted streams and client disconnects", [
-            q(f'sum(rate(infertap_requests_total{{{SEL},outcome="stream_interrupted"}}[{RI}]))', "interrupted"),
-            q(f'sum(rate(infertap_requests_total{{{SEL},outcome="client_disconnect"}}[{RI}]))', "client left"),
-            q(f'sum(rate(infertap_requests_total{{{SEL},outcome="idle_timeout"}}[{RI}]))', "idle timeout"),
-        ], "reqps", FAULTS[4]),
-        row("Latency users feel"),
-        ts("Time to first token", quantiles("infertap_time_to_first_token_seconds", SEL, (0.5, 0.9, 0.99),
-                                            True), "s",
-           "From request received to the first event carrying output text. Prefill, queueing and the "
-           "network. Exemplar dots open the request's trace. " + FAULTS[2]),
-        ts("End-to-end duration", quantiles("infertap_request_duration_seconds", SEL, (0.5, 0.99), True), "s",
-           "Whole request, until the last byte. Exemplar dots open the request's trace."),
-        ts("Time per output token", quantiles("infertap_time_per_output_token_seconds", SEL, (0.5, 0.99)), "s",
-           "Per request: (last token - first token) / (output tokens - 1). Decode speed. " + FAULTS[1]),
-        ts("Inter-token latency", quantiles("infertap_inter_token_latency_seconds", SEL, (0.5, 0.99)), "s",
-           "Gap between consecutive output events. An SSE event may carry several tokens. " + FAULTS[4]),
-        row("Tokens"),
-        ts("Tokens/s", [
-            q(f"sum(rate(infertap_prompt_tokens_total{{{SEL}}}[{RI}]))", "prompt (in)"),
-            q(f"sum(rate(infertap_completion_tokens_total{{{SEL}}}[{RI}]))", "completion (out)"),
-        ], "short", "Prompt tokens read and completion tokens written per second, from usage events.", w=24),
-    ])
+    return dashboard(
+        "infertap-overview",
+        "infertap / Overview",
+        "What users of the LLM API feel: traffic, errors, timeouts and latency through infertap.",
+        [
+            row("Traffic and errors"),
+            stat("Requests/s", f"sum(rate({req}[{RI}]))", "reqps", "All requests through infertap."),
+            stat(
+                "Error ratio",
+                f"sum(rate({err}[{RI}])) / sum(rate({req}[{RI}]))",
+                "percentunit",
+                "Requests that ended in an outcome other than ok, client_error or client_disconnect.",
+            ),
+            stat(
+                "In flight",
+                f"sum(infertap_in_flight_requests{{{UP}}})",
+                "short",
+                "Requests being served now. It returns to 0 when traffic stops; if it does not, a stream leaked.",  # noqa: E501
+            ),
+            stat(
+                "Version",
+                "count by (version) (infertap_build_info)",
+                "short",
+                "Replicas per infertap version.",
+                "{{version}}",
+            ),
+            ts(
+                "Requests/s by outcome",
+                [q(f"sum by (outcome) (rate({req}[{RI}]))", "{{outcome}}")],
+                "reqps",
+                "Every request ends with exactly one outcome: ok, client_error, rate_limited, upstream_error, "  # noqa: E501
+                "connect_error, connect_timeout, ttft_timeout, idle_timeout, total_timeout, stream_interrupted, "  # noqa: E501
+                "client_disconnect or rejected.",
+                stack=True,
+            ),
+            ts(
+                "Error and timeout ratio",
+                [
+                    q(f"sum(rate({err}[{RI}])) / sum(rate({req}[{RI}]))", "errors / requests"),
+                    q(
+                        f"sum by (phase) (rate(infertap_timeouts_total{{{UP}}}[{RI}])) / ignoring (phase) group_left "  # noqa: E501
+                        f"sum(rate(infertap_upstream_attempts_total{{{UP}}}[{RI}]))",
+                        "timeouts ({{phase}}) / attempts",
+                    ),
+                ],
+                "percentunit",
+                "Alerts InfertapHighErrorRatio (5%) and InfertapHighTimeoutRate (2%) read these.",
+            ),
+            ts(
+                "In-flight requests",
+                [q(f"sum by (upstream) (infertap_in_flight_requests{{{UP}}})", "{{upstream}}")],
+                "short",
+                "Concurrent requests per upstream.",
+            ),
+            ts(
+                "Upstream attempts, retries and circuit",
+                [
+                    q(
+                        f"sum by (upstream, result) (rate(infertap_upstream_attempts_total{{{UP}}}[{RI}]))",
+                        "attempts {{upstream}} {{result}}",
+                    ),
+                    q(
+                        f"sum by (upstream, reason) (rate(infertap_retries_total{{{UP}}}[{RI}]))",
+                        "retries {{upstream}} {{reason}}",
+                    ),
+                    q(f"max by (upstream) (infertap_upstream_up{{{UP}}})", "up {{upstream}}"),
+                ],
+                "short",
+                "Attempts by result and retries by reason, per second; up is 1 while the upstream's "
+                "circuit is closed, 0 while it is open.",
+            ),
+            ts(
+                "Interrupted streams and client disconnects",
+                [
+                    q(
+                        f'sum(rate(infertap_requests_total{{{SEL},outcome="stream_interrupted"}}[{RI}]))',
+                        "interrupted",
+                    ),
+                    q(
+                        f'sum(rate(infertap_requests_total{{{SEL},outcome="client_disconnect"}}[{RI}]))',
+                        "client left",
+                    ),
+                    q(
+                        f'sum(rate(infertap_requests_total{{{SEL},outcome="idle_timeout"}}[{RI}]))',
+                        "idle timeout",
+                    ),
+                ],
+                "reqps",
+                FAULTS[4],
+            ),
+            row("Latency users feel"),
+            ts(
+                "Time to first token",
+                quantiles("infertap_time_to_first_token_seconds", SEL, (0.5, 0.9, 0.99), True),
+                "s",
+                "From request received to the first event carrying output text. Prefill, queueing and the "
+                "network. Exemplar dots open the request's trace. " + FAULTS[2],
+            ),
+            ts(
+                "End-to-end duration",
+                quantiles("infertap_request_duration_seconds", SEL, (0.5, 0.99), True),
+                "s",
+                "Whole request, until the last byte. Exemplar dots open the request's trace.",
+            ),
+            ts(
+                "Time per output token",
+                quantiles("infertap_time_per_output_token_seconds", SEL, (0.5, 0.99)),
+                "s",
+                "Per request: (last token - first token) / (output tokens - 1). Decode speed. " + FAULTS[1],
+            ),
+            ts(
+                "Inter-token latency",
+                quantiles("infertap_inter_token_latency_seconds", SEL, (0.5, 0.99)),
+                "s",
+                "Gap between consecutive output events. An SSE event may carry several tokens. " + FAULTS[4],
+            ),
+            row("Tokens"),
+            ts(
+                "Tokens/s",
+                [
+                    q(f"sum(rate(infertap_prompt_tokens_total{{{SEL}}}[{RI}]))", "prompt (in)"),
+                    q(f"sum(rate(infertap_completion_tokens_total{{{SEL}}}[{RI}]))", "completion (out)"),
+                ],
+                "short",
+                "Prompt tokens read and completion tokens written per second, from usage events.",
+                w=24,
+            ),
+        ],
+    )
 
 
 def prefill_decode() -> dict[str, Any]:
     ttft = "infertap_time_to_first_token_seconds"
-    return dashboard("infertap-prefill-decode", "infertap / Prefill and decode",
-                     "TTFT is prefill (plus queueing), TPOT is decode: read them apart.", [
-        heatmap("TTFT heatmap", f"sum by (le) (increase({ttft}_bucket{{{SEL}}}[{RI}]))", "s",
+    return dashboard(
+        "infertap-prefill-decode",
+        "infertap / Prefill and decode",
+        "TTFT is prefill (plus queueing), TPOT is decode: read them apart.",
+        [
+            heatmap(
+                "TTFT heatmap",
+                f"sum by (le) (increase({ttft}_bucket{{{SEL}}}[{RI}]))",
+                "s",
                 "Distribution of time to first token. Two bands mean two populations (e.g. cache hits and "
-                "misses, or short and long prompts). " + FAULTS[2], exemplar=True),
-        ts("TTFT p95 by prompt class", [q(hq(0.95, ttft, SEL, "prompt_class"), "{{prompt_class}}")], "s",
-           "Prefill grows with prompt length: compare each class with itself, not the mix. " + FAULTS[3]),
-        ts("Requests/s by prompt class", [q(f"sum by (prompt_class) (rate({ttft}_count{{{SEL}}}[{RI}]))",
-                                            "{{prompt_class}}")], "reqps",
-           "The prompt-length mix. When it shifts to longer prompts, overall TTFT rises without any "
-           "regression: that is why the TTFT alert is per prompt class.", stack=True),
-        ts("TTFB vs TTFT", [
-            q(hq(0.5, "infertap_time_to_first_byte_seconds", SEL), "TTFB p50"),
-            q(hq(0.5, ttft, SEL), "TTFT p50"),
-            q(hq(0.95, "infertap_time_to_first_byte_seconds", SEL), "TTFB p95"),
-            q(hq(0.95, ttft, SEL), "TTFT p95"),
-        ], "s", "TTFB: upstream status and headers arrived. TTFT: first output text. A gap between them is "
-           "the engine's prefill after it accepted the request; TTFB itself high means connect or queueing."),
-        ts("TPOT and tokens per second", [
-            q(hq(0.5, "infertap_time_per_output_token_seconds", SEL), "TPOT p50"),
-            q(hq(0.95, "infertap_time_per_output_token_seconds", SEL), "TPOT p95"),
-        ], "s", "Decode speed per request. TPS = 1 / TPOT (next panel). " + FAULTS[1]),
-        ts("Output tokens/s per request (TPS = 1 / TPOT p50)",
-           [q(f"1 / {hq(0.5, 'infertap_time_per_output_token_seconds', SEL)}", "TPS p50")], "short",
-           "What one user sees as streaming speed."),
-        heatmap("Output length distribution",
-                f"sum by (le) (increase(infertap_request_completion_tokens_bucket{{{SEL}}}[{RI}]))", "short",
-                "Completion tokens per request. " + FAULTS[5]),
-        heatmap("Prompt length distribution",
-                f"sum by (le) (increase(infertap_request_prompt_tokens_bucket{{{SEL}}}[{RI}]))", "short",
-                "Prompt tokens per request: the input of prefill."),
-        ts("TTFT p95: now, 1 day and 1 week earlier", [
-            q(hq(0.95, ttft, SEL), "now"),
-            q(f"histogram_quantile(0.95, sum by (le) (rate({ttft}_bucket{{{SEL}}}[{RI}] offset 1d)))", "1d ago"),
-            q(f"histogram_quantile(0.95, sum by (le) (rate({ttft}_bucket{{{SEL}}}[{RI}] offset 1w)))", "1w ago"),
-        ], "s", "The same quantile against itself a day and a week earlier: daily and weekly patterns "
-           "line up, a regression stands out."),
-        ts("What the TTFT regression alert sees", [
-            q('model_prompt_class:infertap_time_to_first_token_seconds:p95_30m{model=~"$model"}',
-              "{{model}} {{prompt_class}} now"),
-            q('1.5 * model_prompt_class:infertap_time_to_first_token_seconds:p95_30m_1d_ago{model=~"$model"}',
-              "{{model}} {{prompt_class}} 1.5 x 1d ago"),
-            q('1.5 * model_prompt_class:infertap_time_to_first_token_seconds:p95_30m_1w_ago{model=~"$model"}',
-              "{{model}} {{prompt_class}} 1.5 x 1w ago"),
-        ], "s", "Recording rules behind InfertapTTFTRegression: it fires when 'now' is above both "
-           "thresholds for 15 minutes (and above 0.25 s and 3 requests a minute)."),
-        ts("Mean output tokens per request", [
-            q(f"sum(rate(infertap_request_completion_tokens_sum{{{SEL}}}[{RI}])) / "
-              f"sum(rate(infertap_request_completion_tokens_count{{{SEL}}}[{RI}]))", "completion"),
-            q(f"sum(rate(infertap_request_prompt_tokens_sum{{{SEL}}}[{RI}])) / "
-              f"sum(rate(infertap_request_prompt_tokens_count{{{SEL}}}[{RI}]))", "prompt"),
-        ], "short", "Long answers make e2e duration grow without any decode slowdown.", w=24),
-    ])
+                "misses, or short and long prompts). " + FAULTS[2],
+                exemplar=True,
+            ),
+            ts(
+                "TTFT p95 by prompt class",
+                [q(hq(0.95, ttft, SEL, "prompt_class"), "{{prompt_class}}")],
+                "s",
+                "Prefill grows with prompt length: compare each class with itself, not the mix. " + FAULTS[3],
+            ),
+            ts(
+                "Requests/s by prompt class",
+                [q(f"sum by (prompt_class) (rate({ttft}_count{{{SEL}}}[{RI}]))", "{{prompt_class}}")],
+                "reqps",
+                "The prompt-length mix. When it shifts to longer prompts, overall TTFT rises without any "
+                "regression: that is why the TTFT alert is per prompt class.",
+                stack=True,
+            ),
+            ts(
+                "TTFB vs TTFT",
+                [
+                    q(hq(0.5, "infertap_time_to_first_byte_seconds", SEL), "TTFB p50"),
+                    q(hq(0.5, ttft, SEL), "TTFT p50"),
+                    q(hq(0.95, "infertap_time_to_first_byte_seconds", SEL), "TTFB p95"),
+                    q(hq(0.95, ttft, SEL), "TTFT p95"),
+                ],
+                "s",
+                "TTFB: upstream status and headers arrived. TTFT: first output text. A gap between them is "
+                "the engine's prefill after it accepted the request; TTFB itself high means connect or queueing.",  # noqa: E501
+            ),
+            ts(
+                "TPOT and tokens per second",
+                [
+                    q(hq(0.5, "infertap_time_per_output_token_seconds", SEL), "TPOT p50"),
+                    q(hq(0.95, "infertap_time_per_output_token_seconds", SEL), "TPOT p95"),
+                ],
+                "s",
+                "Decode speed per request. TPS = 1 / TPOT (next panel). " + FAULTS[1],
+            ),
+            ts(
+                "Output tokens/s per request (TPS = 1 / TPOT p50)",
+                [q(f"1 / {hq(0.5, 'infertap_time_per_output_token_seconds', SEL)}", "TPS p50")],
+                "short",
+                "What one user sees as streaming speed.",
+            ),
+            heatmap(
+                "Output length distribution",
+                f"sum by (le) (increase(infertap_request_completion_tokens_bucket{{{SEL}}}[{RI}]))",
+                "short",
+                "Completion tokens per request. " + FAULTS[5],
+            ),
+            heatmap(
+                "Prompt length distribution",
+                f"sum by (le) (increase(infertap_request_prompt_tokens_bucket{{{SEL}}}[{RI}]))",
+                "short",
+                "Prompt tokens per request: the input of prefill.",
+            ),
+            ts(
+                "TTFT p95: now, 1 day and 1 week earlier",
+                [
+                    q(hq(0.95, ttft, SEL), "now"),
+                    q(
+                        f"histogram_quantile(0.95, sum by (le) (rate({ttft}_bucket{{{SEL}}}[{RI}] offset 1d)))",  # noqa: E501
+                        "1d ago",
+                    ),
+                    q(
+                        f"histogram_quantile(0.95, sum by (le) (rate({ttft}_bucket{{{SEL}}}[{RI}] offset 1w)))",  # noqa: E501
+                        "1w ago",
+                    ),
+                ],
+                "s",
+                "The same quantile against itself a day and a week earlier: daily and weekly patterns "
+                "line up, a regression stands out.",
+            ),
+            ts(
+                "What the TTFT regression alert sees",
+                [
+                    q(
+                        'model_prompt_class:infertap_time_to_first_token_seconds:p95_30m{model=~"$model"}',
+                        "{{model}} {{prompt_class}} now",
+                    ),
+                    q(
+                        '1.5 * model_prompt_class:infertap_time_to_first_token_seconds:p95_30m_1d_ago{model=~"$model"}',  # noqa: E501
+                        "{{model}} {{prompt_class}} 1.5 x 1d ago",
+                    ),
+                    q(
+                        '1.5 * model_prompt_class:infertap_time_to_first_token_seconds:p95_30m_1w_ago{model=~"$model"}',  # noqa: E501
+                        "{{model}} {{prompt_class}} 1.5 x 1w ago",
+                    ),
+                ],
+                "s",
+                "Recording rules behind InfertapTTFTRegression: it fires when 'now' is above both "
+                "thresholds for 15 minutes (and above 0.25 s and 3 requests a minute).",
+            ),
+            ts(
+                "Mean output tokens per request",
+                [
+                    q(
+                        f"sum(rate(infertap_request_completion_tokens_sum{{{SEL}}}[{RI}])) / "
+                        f"sum(rate(infertap_request_completion_tokens_count{{{SEL}}}[{RI}]))",
+                        "completion",
+                    ),
+                    q(
+                        f"sum(rate(infertap_request_prompt_tokens_sum{{{SEL}}}[{RI}])) / "
+                        f"sum(rate(infertap_request_prompt_tokens_count{{{SEL}}}[{RI}]))",
+                        "prompt",
+                    ),
+                ],
+                "short",
+                "Long answers make e2e duration grow without any decode slowdown.",
+                w=24,
+            ),
+        ],
+    )
 
 
 def engine() -> dict[str, Any]:
     ttft = "infertap_time_to_first_token_seconds"
     faults = "\n".join(f"{i}. {t}" for i, t in FAULTS.items())
-    return dashboard("infertap-engine", "infertap / Engine",
-                     "The engine behind infertap (vLLM or the simulated engine): where prefill and decode time "
-                     "goes. Engine series use model_name=~$model.", [
-        text("The five common faults, and where each shows", faults
-             + "\n\nFirst locate prefill (TTFT, queue, prefill time) or decode (TPOT, KV cache), then tune."),
-        ts("TTFT: engine vs proxy (p95)", [
-            q(hq(0.95, "vllm:time_to_first_token_seconds", ENG), "engine p95"),
-            q(hq(0.95, ttft, SEL), "proxy p95"),
-            q(hq(0.5, "vllm:time_to_first_token_seconds", ENG), "engine p50"),
-            q(hq(0.5, ttft, SEL), "proxy p50"),
-        ], "s", "Proxy TTFT minus engine TTFT is the network plus infertap. Equal and high: the engine. "
-           "Proxy far above engine: the network, connection setup (pooling) or buffering. " + FAULTS[2]),
-        ts("Inter-token latency: engine vs proxy (p50)", [
-            q(hq(0.5, "vllm:inter_token_latency_seconds", ENG), "engine"),
-            q(hq(0.5, "infertap_inter_token_latency_seconds", SEL), "proxy"),
-        ], "s", FAULTS[4]),
-        ts("Queue, prefill and decode time (p95)", [
-            q(hq(0.95, "vllm:request_queue_time_seconds", ENG), "queue"),
-            q(hq(0.95, "vllm:request_prefill_time_seconds", ENG), "prefill"),
-            q(hq(0.95, "vllm:request_decode_time_seconds", ENG), "decode"),
-        ], "s", "Queue time up: prefill requests wait their turn (fault 2). Prefill time up at the same "
-           "prompt length: the engine got slower. Decode time up: see TPOT and KV cache."),
-        ts("Requests waiting and running", [
-            q(f"sum by (engine) (vllm:num_requests_waiting{{{ENG}}})", "waiting {{engine}}"),
-            q(f"sum by (engine) (vllm:num_requests_running{{{ENG}}})", "running {{engine}}"),
-        ], "short", "Waiting > 0 for long: the batch is full (max_num_seqs, max_num_batched_tokens). " + FAULTS[2]),
-        ts("KV cache usage", [q(f"max by (engine) (vllm:kv_cache_usage_perc{{{ENG}}})", "{{engine}}")],
-           "percentunit", FAULTS[1] + " " + FAULTS[3]),
-        ts("Prefix cache hit rate", [
-            q(f"sum(rate(vllm:prefix_cache_hits_total{{{ENG}}}[{RI}])) / "
-              f"sum(rate(vllm:prefix_cache_queries_total{{{ENG}}}[{RI}]))", "hit rate")],
-           "percentunit", "Share of prompt tokens served from the prefix cache. A drop raises TTFT at the "
-           "same prompt length."),
-        ts("Preemptions/s", [q(f"sum(rate(vllm:num_preemptions_total{{{ENG}}}[{RI}]))", "preemptions")],
-           "short", "The engine ran out of KV blocks and evicted running requests to recompute them later. "
-           + FAULTS[3]),
-        ts("Engine tokens/s", [
-            q(f"sum(rate(vllm:prompt_tokens_total{{{ENG}}}[{RI}]))", "prompt"),
-            q(f"sum(rate(vllm:generation_tokens_total{{{ENG}}}[{RI}]))", "generation"),
-        ], "short", "Compare with infertap's tokens/s: the engine also serves traffic that bypasses infertap."),
-        ts("End-to-end: engine vs proxy (p95)", [
-            q(hq(0.95, "vllm:e2e_request_latency_seconds", ENG), "engine"),
-            q(hq(0.95, "infertap_request_duration_seconds", SEL), "proxy", exemplar=True),
-        ], "s", "Exemplar dots on the proxy series open the request's trace."),
-    ])
+    return dashboard(
+        "infertap-engine",
+        "infertap / Engine",
+        "The engine behind infertap (vLLM or the simulated engine): where prefill and decode time "
+        "goes. Engine series use model_name=~$model.",
+        [
+            text(
+                "The five common faults, and where each shows",
+                faults
+                + "\n\nFirst locate prefill (TTFT, queue, prefill time) or decode (TPOT, KV cache), then tune.",  # noqa: E501
+            ),
+            ts(
+                "TTFT: engine vs proxy (p95)",
+                [
+                    q(hq(0.95, "vllm:time_to_first_token_seconds", ENG), "engine p95"),
+                    q(hq(0.95, ttft, SEL), "proxy p95"),
+                    q(hq(0.5, "vllm:time_to_first_token_seconds", ENG), "engine p50"),
+                    q(hq(0.5, ttft, SEL), "proxy p50"),
+                ],
+                "s",
+                "Proxy TTFT minus engine TTFT is the network plus infertap. Equal and high: the engine. "
+                "Proxy far above engine: the network, connection setup (pooling) or buffering. " + FAULTS[2],
+            ),
+            ts(
+                "Inter-token latency: engine vs proxy (p50)",
+                [
+                    q(hq(0.5, "vllm:inter_token_latency_seconds", ENG), "engine"),
+                    q(hq(0.5, "infertap_inter_token_latency_seconds", SEL), "proxy"),
+                ],
+                "s",
+                FAULTS[4],
+            ),
+            ts(
+                "Queue, prefill and decode time (p95)",
+                [
+                    q(hq(0.95, "vllm:request_queue_time_seconds", ENG), "queue"),
+                    q(hq(0.95, "vllm:request_prefill_time_seconds", ENG), "prefill"),
+                    q(hq(0.95, "vllm:request_decode_time_seconds", ENG), "decode"),
+                ],
+                "s",
+                "Queue time up: prefill requests wait their turn (fault 2). Prefill time up at the same "
+                "prompt length: the engine got slower. Decode time up: see TPOT and KV cache.",
+            ),
+            ts(
+                "Requests waiting and running",
+                [
+                    q(f"sum by (engine) (vllm:num_requests_waiting{{{ENG}}})", "waiting {{engine}}"),
+                    q(f"sum by (engine) (vllm:num_requests_running{{{ENG}}})", "running {{engine}}"),
+                ],
+                "short",
+                "Waiting > 0 for long: the batch is full (max_num_seqs, max_num_batched_tokens). "
+                + FAULTS[2],
+            ),
+            ts(
+                "KV cache usage",
+                [q(f"max by (engine) (vllm:kv_cache_usage_perc{{{ENG}}})", "{{engine}}")],
+                "percentunit",
+                FAULTS[1] + " " + FAULTS[3],
+            ),
+            ts(
+                "Prefix cache hit rate",
+                [
+                    q(
+                        f"sum(rate(vllm:prefix_cache_hits_total{{{ENG}}}[{RI}])) / "
+                        f"sum(rate(vllm:prefix_cache_queries_total{{{ENG}}}[{RI}]))",
+                        "hit rate",
+                    )
+                ],
+                "percentunit",
+                "Share of prompt tokens served from the prefix cache. A drop raises TTFT at the "
+                "same prompt length.",
+            ),
+            ts(
+                "Preemptions/s",
+                [q(f"sum(rate(vllm:num_preemptions_total{{{ENG}}}[{RI}]))", "preemptions")],
+                "short",
+                "The engine ran out of KV blocks and evicted running requests to recompute them later. "
+                + FAULTS[3],
+            ),
+            ts(
+                "Engine tokens/s",
+                [
+                    q(f"sum(rate(vllm:prompt_tokens_total{{{ENG}}}[{RI}]))", "prompt"),
+                    q(f"sum(rate(vllm:generation_tokens_total{{{ENG}}}[{RI}]))", "generation"),
+                ],
+                "short",
+                "Compare with infertap's tokens/s: the engine also serves traffic that bypasses infertap.",
+            ),
+            ts(
+                "End-to-end: engine vs proxy (p95)",
+                [
+                    q(hq(0.95, "vllm:e2e_request_latency_seconds", ENG), "engine"),
+                    q(hq(0.95, "infertap_request_duration_seconds", SEL), "proxy", exemplar=True),
+                ],
+                "s",
+                "Exemplar dots on the proxy series open the request's trace.",
+            ),
+        ],
+    )
 
 
-DASHBOARDS = {"infertap-overview.json": overview, "infertap-prefill-decode.json": prefill_decode,
-              "infertap-engine.json": engine}
+DASHBOARDS = {
+    "infertap-overview.json": overview,
+    "infertap-prefill-decode.json": prefill_decode,
+    "infertap-engine.json": engine,
+}

@@ -60,6 +60,9 @@ class Target:
     max_attempts: int = 3
     backoff_s: float = 2.0
     include_usage: bool = True
+    # What the run learnt about the server, shared by every copy made with replace() (a server
+    # that refuses stream_options is asked without it from then on).
+    learned: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -319,7 +322,7 @@ def _body(target: Target, prompt: str) -> dict[str, Any]:
         max_tokens=target.max_tokens,
         stream=True,
     )
-    if target.include_usage:
+    if target.include_usage and not target.learned.get("no_stream_options"):
         body["stream_options"] = {"include_usage": True}
     return body
 
@@ -357,8 +360,10 @@ async def prepare(client: httpx.AsyncClient, target: Target, *, warmup: bool = T
 
 async def measure_one(client: httpx.AsyncClient, target: Target, prompt: str, index: int = 0) -> Result:
     """Stream one chat completion (with retries before any output) and time it."""
-    result = Result(index=index)
-    for attempt in range(1, target.max_attempts + 1):
+    budget = target.max_attempts
+    attempt = 0
+    while True:
+        attempt += 1
         result = Result(index=index, attempts=attempt)
         try:
             await _attempt(client, target, prompt, result)
@@ -366,16 +371,17 @@ async def measure_one(client: httpx.AsyncClient, target: Target, prompt: str, in
             return result
         except _Failure as f:
             result.error_kind, result.error, result.status = f.kind, f.message, f.status
-            if f.kind == "stream_options_rejected" and target.include_usage:
-                # An older server that refuses stream_options: fail open and count events instead.
-                target = replace(target, include_usage=False)
+            if f.kind == "stream_options_rejected":
+                # An older server that refuses stream_options: fail open, count events instead,
+                # and do not charge the retry budget for it.
+                target.learned["no_stream_options"] = True
+                budget += 1
                 continue
-            if f.kind not in RETRYABLE or result.content_events or attempt == target.max_attempts:
+            if f.kind not in RETRYABLE or result.content_events or attempt >= budget:
                 return result
         delay = min(target.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
         if delay > 0:
             await asyncio.sleep(delay)
-    return result
 
 
 async def _attempt(client: httpx.AsyncClient, target: Target, prompt: str, result: Result) -> None:
@@ -390,6 +396,16 @@ async def _attempt(client: httpx.AsyncClient, target: Target, prompt: str, resul
             if resp.status_code != 200:
                 await resp.aread()
                 raise _http_failure(resp, target)
+            ctype = resp.headers.get("content-type", "")
+            if "event-stream" not in ctype:
+                await resp.aread()
+                raise _Failure(
+                    "protocol_error",
+                    f"{url} answered {ctype or 'without a content type'}, not an event stream "
+                    "(does the server support stream: true?)",
+                    resp.status_code,
+                )
+            done_at: float | None = None
             async for chunk in resp.aiter_bytes():
                 complete, outputs = scanner.feed(chunk)
                 now = time.perf_counter()
@@ -399,7 +415,9 @@ async def _attempt(client: httpx.AsyncClient, target: Target, prompt: str, resul
                     result.content_events += outputs
                 if scanner.facts.error_events:
                     raise _Failure("stream_error", _stream_error_text(complete), resp.status_code)
-            ended = time.perf_counter()
+                if done_at is None and scanner.facts.done:
+                    done_at = now  # the clock stops at [DONE]; the rest is only drained
+            ended = done_at if done_at is not None else time.perf_counter()
     except httpx.HTTPError as e:
         kind, msg = _describe_exception(e, url, got_headers, result.content_events, target.read_timeout)
         raise _Failure(kind, msg, result.status) from None
@@ -457,7 +475,8 @@ def _status_text(resp: httpx.Response, target: Target) -> str:
 def _http_failure(resp: httpx.Response, target: Target) -> _Failure:
     code = resp.status_code
     text = f"{target.url} answered {_status_text(resp, target)}"
-    if code == 400 and target.include_usage and b"stream_options" in resp.content:
+    asked = target.include_usage and not target.learned.get("no_stream_options")
+    if code == 400 and asked and b"stream_options" in resp.content:
         return _Failure("stream_options_rejected", text, code)
     if code in (401, 403):
         kind = "auth_error"

@@ -1,0 +1,293 @@
+"""UIObserver: keeps what /ui shows in bounded rings, from the same Exchange values the metrics see.
+
+Work per request: a dict entry in `request_received`, a few counter increments, at most two
+reservoir samples and one table row at the terminal hook. No `chunk` hook. Everything else
+(quantiles, rates, the JSON) is computed in `snapshot()`, when the page asks.
+
+Counting rules mirror `proxy/metrics.py`, so /ui/data and /metrics agree for the same workload:
+TTFT for every request that delivered a first token, TPOT and tokens for successful ones only,
+timeouts counted both when an attempt timed out and was retried and when a request ended so.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from proxy import __version__
+from proxy.exchange import Exchange, Outcome
+from proxy.metrics import NONE, TIMEOUT_PHASES, ModelLabels
+from proxy.observer import Observer
+from proxy.request import display_url
+from proxy.settings import Settings
+from proxy.ui.data import QUANTILES, Reservoir, SecondRing, Step, StepRing, public_config, quantiles
+
+MAX_MODEL_CHARS = 120
+_OK = Outcome.OK.value
+
+
+class UIObserver(Observer):
+    name = "ui"
+
+    def __init__(
+        self,
+        settings: Settings,
+        model_label: Callable[[str | None], str] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        ui = settings.ui
+        self.settings = settings
+        # The metrics' own label mapping when there are metrics: the same allow-list and cap,
+        # so a chart's model is a `model` label value of /metrics.
+        self.model_label = model_label or ModelLabels(settings.metrics.models, settings.metrics.max_models)
+        # perf_counter, the clock of Exchange timestamps: a first token is placed in its own step.
+        self.clock = clock
+        self.wall = wall
+        self.step = ui.step_seconds
+        self.steps = -(-ui.window_seconds // ui.step_seconds)
+        self.cap = ui.samples_per_step
+        self.rng = random.Random(0)
+        self.seconds = SecondRing(self.steps * self.step + 1)
+        self.latency: dict[str, StepRing] = {}
+        self.recent: deque[dict[str, Any]] = deque(maxlen=ui.recent_requests)
+        self.started = clock()
+        self.in_flight = 0
+        self.in_flight_by: dict[str, int] = {up.name: 0 for up in settings.upstreams}
+        self.health: dict[str, tuple[bool, float | None]] = {up.name: (True, None) for up in settings.upstreams}
+        # Since start, this worker: requests by upstream and outcome, retries, timeouts by phase.
+        self.outcomes: dict[str, dict[str, int]] = {}
+        self.retries = 0
+        self.timeouts: dict[str, int] = dict.fromkeys(TIMEOUT_PHASES.values(), 0)
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.config = public_config(settings)
+
+    # -- hooks ------------------------------------------------------------------------------
+    def request_received(self, ex: Exchange) -> None:
+        routed = ex.upstream or NONE
+        ex.scratch["ui"] = (self.model_label(ex.model), routed)
+        self.in_flight += 1
+        self.in_flight_by[routed] = self.in_flight_by.get(routed, 0) + 1
+
+    def retry(self, ex: Exchange, reason: str, backoff: float) -> None:
+        second = self.seconds.at(int(self.clock()))
+        second.retries += 1
+        self.retries += 1
+        phase = TIMEOUT_PHASES.get(reason)
+        if phase is not None:
+            second.timeouts += 1
+            self.timeouts[phase] += 1
+
+    def upstream_health(self, ex: Exchange, upstream: str, up: bool) -> None:
+        self.health[upstream] = (up, self.wall())
+
+    def finished(self, ex: Exchange) -> None:
+        self._end(ex)
+
+    def failed(self, ex: Exchange) -> None:
+        self._end(ex)
+
+    def client_disconnected(self, ex: Exchange) -> None:
+        self._end(ex)
+
+    def _end(self, ex: Exchange) -> None:
+        model, routed = ex.scratch.get("ui") or (self.model_label(ex.model), ex.upstream or NONE)
+        upstream = ex.upstream or NONE
+        outcome = ex.outcome.value if ex.outcome is not None else NONE
+        self.in_flight -= 1
+        self.in_flight_by[routed] = self.in_flight_by.get(routed, 1) - 1
+        now = self.clock()
+        second = self.seconds.at(int(now))
+        second.outcomes[outcome] = second.outcomes.get(outcome, 0) + 1
+        by = self.outcomes.setdefault(upstream, {})
+        by[outcome] = by.get(outcome, 0) + 1
+        phase = TIMEOUT_PHASES.get(outcome)
+        if phase is not None:
+            second.timeouts += 1
+            self.timeouts[phase] += 1
+        ttft, tpot = ex.ttft, None
+        if ttft is not None and ex.first_token_at is not None:
+            self._step(model, ex.first_token_at, now).ttft.add(ttft, self.cap, self.rng)
+        prompt = ex.prompt_tokens if ex.prompt_tokens is not None else ex.estimated_prompt_tokens
+        completion = 0 if ex.route == "embeddings" else ex.output_tokens
+        if outcome == _OK:
+            tpot = ex.tpot
+            if tpot is not None:
+                self._step(model, now, now).tpot.add(tpot, self.cap, self.rng)
+            second.prompt_tokens += prompt
+            second.completion_tokens += completion
+            self.prompt_tokens += prompt
+            self.completion_tokens += completion
+        self.recent.append(
+            {
+                "time": ex.started_unix_ns / 1e9,
+                "request_id": ex.request_id,
+                "model": (ex.model or "")[:MAX_MODEL_CHARS],
+                "upstream": upstream,
+                "route": ex.route,
+                "stream": ex.stream,
+                "outcome": outcome,
+                "status": ex.status_code,
+                "ttft": ttft,
+                "tpot": ex.tpot,
+                "decode": ex.decode_time,
+                "duration": ex.duration,
+                "prompt_tokens": prompt if ex.outcome is not Outcome.REJECTED else None,
+                "completion_tokens": completion if ex.outcome is not Outcome.REJECTED else None,
+                "tokens_estimated": ex.completion_tokens is None,
+                "retries": ex.retries,
+            }
+        )
+
+    def _step(self, model: str, at: float, now: float) -> Step:
+        ring = self.latency.get(model)
+        if ring is None:
+            ring = self.latency[model] = StepRing(self.steps)
+        step = int(at) // self.step
+        if step <= int(now) // self.step - self.steps:
+            step = int(now) // self.step  # older than the window: count it now
+        return ring.at(step)
+
+    # -- the page's data --------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        now, wall = self.clock(), self.wall()
+        sec = int(now)
+        last = sec // self.step
+        steps = range(last - self.steps + 1, last + 1)
+        t = [round(wall - (now - s * self.step), 3) for s in steps]
+        return {
+            "version": __version__,
+            "pid": os.getpid(),
+            "workers": self.settings.server.workers,
+            "now": wall,
+            "uptime_s": round(now - self.started, 3),
+            "window_s": self.steps * self.step,
+            "step_s": self.step,
+            "refresh_s": self.settings.ui.refresh_seconds,
+            "quantiles": list(QUANTILES),
+            "in_flight": self.in_flight,
+            "totals": self._totals(),
+            "last_minute": self._last_minute(now),
+            "series": {"t": t, **self._rates(steps, now)},
+            "latency": self._latency(steps),
+            "requests": list(reversed(self.recent)),
+            "upstreams": self._upstreams(),
+            "config": self.config,
+        }
+
+    def _totals(self) -> dict[str, Any]:
+        requests: dict[str, int] = {}
+        for by in self.outcomes.values():
+            for outcome, n in by.items():
+                requests[outcome] = requests.get(outcome, 0) + n
+        return {
+            "requests": requests,
+            "retries": self.retries,
+            "timeouts": dict(self.timeouts),
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+        }
+
+    def _last_minute(self, now: float) -> dict[str, Any]:
+        sec = int(now)
+        span = max(1.0, min(60.0, now - self.started))
+        outcomes: dict[str, int] = {}
+        prompt = completion = retries = timeouts = 0
+        for s in self.seconds.span(sec - 59, sec):
+            for outcome, n in s.outcomes.items():
+                outcomes[outcome] = outcomes.get(outcome, 0) + n
+            prompt += s.prompt_tokens
+            completion += s.completion_tokens
+            retries += s.retries
+            timeouts += s.timeouts
+        return {
+            "seconds": round(span, 3),
+            "requests": outcomes,
+            "requests_per_s": sum(outcomes.values()) / span,
+            "prompt_tokens_per_s": prompt / span,
+            "completion_tokens_per_s": completion / span,
+            "retries": retries,
+            "timeouts": timeouts,
+        }
+
+    def _rates(self, steps: range, now: float) -> dict[str, Any]:
+        """Per step, per second: requests by outcome, tokens in and out, retries, timeouts."""
+        outcomes: dict[str, list[float]] = {}
+        prompt: list[float] = []
+        completion: list[float] = []
+        retries: list[float] = []
+        timeouts: list[float] = []
+        for i, s in enumerate(steps):
+            first = s * self.step
+            span = min(float(self.step), max(1.0, now - first))
+            p = c = r = to = 0
+            for sec in self.seconds.span(first, min(first + self.step - 1, int(now))):
+                for outcome, n in sec.outcomes.items():
+                    outcomes.setdefault(outcome, [0.0] * len(steps))[i] += n / span
+                p += sec.prompt_tokens
+                c += sec.completion_tokens
+                r += sec.retries
+                to += sec.timeouts
+            prompt.append(p / span)
+            completion.append(c / span)
+            retries.append(r / span)
+            timeouts.append(to / span)
+        return {
+            "requests_per_s": outcomes,
+            "prompt_tokens_per_s": prompt,
+            "completion_tokens_per_s": completion,
+            "retries_per_s": retries,
+            "timeouts_per_s": timeouts,
+        }
+
+    def _latency(self, steps: range) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for model, ring in sorted(self.latency.items()):
+            found = [ring.get(s) for s in steps]
+            if not any(found):
+                continue
+            entry: dict[str, Any] = {}
+            for kind in ("ttft", "tpot"):
+                series: dict[str, list[float | None]] = {f"p{round(q * 100)}": [] for q in QUANTILES}
+                counts: list[int] = []
+                window: list[Reservoir] = []
+                for step in found:
+                    res: Reservoir | None = None if step is None else getattr(step, kind)
+                    n, qs = quantiles([res] if res is not None else [])
+                    counts.append(n)
+                    for q, v in zip(QUANTILES, qs, strict=True):
+                        series[f"p{round(q * 100)}"].append(v)
+                    if res is not None:
+                        window.append(res)
+                n, qs = quantiles(window)
+                summary: dict[str, Any] = {"count": n}
+                summary.update({f"p{round(q * 100)}": v for q, v in zip(QUANTILES, qs, strict=True)})
+                entry[kind] = {**series, "count": counts, "window": summary}
+            out[model] = entry
+        return out
+
+    def _upstreams(self) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        for up in self.settings.upstreams:
+            is_up, since = self.health.get(up.name, (True, None))
+            rows.append(
+                {
+                    "name": up.name,
+                    "base_url": display_url(up.base_url),
+                    "state": "up" if is_up else "circuit_open",
+                    "since": since,
+                    "default": up.default,
+                    "models": up.models,
+                    "fallback": up.fallback,
+                    "api_key_env": up.api_key_env,
+                    "api_key_set": up.api_key() is not None if up.api_key_env else None,
+                    "in_flight": self.in_flight_by.get(up.name, 0),
+                    "requests": dict(self.outcomes.get(up.name, {})),
+                }
+            )
+        return rows

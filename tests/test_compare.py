@@ -1,0 +1,196 @@
+"""`infertap compare` (the seed's A/B experiment) and the statistics behind it."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+
+import pytest
+
+from proxy.tools import compare
+from proxy.tools.stats import RatioCI, bootstrap_ratio_ci, percentile, summarize
+from tests.test_probe import closed_port, engine
+
+# Each request's TTFT and TPOT vary by +-30% (as real ones do), so the CI has honest width.
+JITTER = 0.3
+
+
+def run_compare(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = compare.main(list(argv))
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err
+
+
+# -- acceptance --------------------------------------------------------------------------------
+
+
+def test_b_with_three_times_the_tpot_is_called_out(capsys: pytest.CaptureFixture[str]) -> None:
+    # The seed's experiment: B is "the KV cache off", decoding ~3x slower; prefill unchanged.
+    with (
+        engine(ttft_s=0.04, tpot_s=0.010, tokens=12, jitter=JITTER, seed=1) as (_, url_a),
+        engine(ttft_s=0.04, tpot_s=0.030, tokens=12, jitter=JITTER, seed=2) as (_, url_b),
+    ):
+        code, out, err = run_compare(
+            capsys, "--a", url_a, "--b", url_b, "--model", "m", "-n", "12", "-c", "4", "--json"
+        )
+    assert code == 0, err
+    report = json.loads(out)
+    tpot = report["metrics"]["tpot_s"]
+    assert tpot["significant"] is True
+    assert tpot["ci_low"] > 1.0, tpot  # the CI excludes 1x
+    assert 1.5 < tpot["ratio_b_over_a"] < 4.5 and tpot["ci_low"] <= tpot["ratio_b_over_a"] <= tpot["ci_high"]
+    assert tpot["verdict"].startswith("TPOT ") and "× higher in B, 95% CI " in tpot["verdict"]
+    assert report["a"]["ok"] == report["b"]["ok"] == 12
+    assert report["bootstrap"] == {"statistic": "median", "resamples": 2000, "confidence": 0.95, "seed": 0}
+
+
+def test_two_identical_targets_show_no_clear_difference(capsys: pytest.CaptureFixture[str]) -> None:
+    # An A/A run: two identical engines (same config, same seed), so any "difference" would be
+    # the measurement's own doing.
+    with (
+        engine(ttft_s=0.10, tpot_s=0.010, tokens=12, jitter=JITTER, seed=3) as (_, url_a),
+        engine(ttft_s=0.10, tpot_s=0.010, tokens=12, jitter=JITTER, seed=3) as (_, url_b),
+    ):
+        code, out, err = run_compare(
+            capsys, "--a", url_a, "--b", url_b, "--model", "m", "-n", "12", "-c", "4"
+        )
+    assert code == 0, err
+    verdicts = out.split("verdict:")[1]
+    assert "TPOT: no clear difference (B/A " in verdicts
+    assert "TTFT: no clear difference (B/A " in verdicts
+
+
+def test_json_report_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    with engine(ttft_s=0.02, tpot_s=0.005, tokens=4, jitter=JITTER) as (app, url):
+        code, out, _ = run_compare(
+            capsys, "--a", url, "--model-a", "x", "--model-b", "y", "-n", "4", "-c", "2", "--json",
+            "--label-a", "cache-on", "--label-b", "cache-off", "--bootstrap", "500", "--seed", "7",
+        )  # fmt: skip
+    assert code == 0
+    report = json.loads(out)
+    assert set(report) == {"labels", "a", "b", "bootstrap", "metrics"}
+    assert report["labels"] == {"a": "cache-on", "b": "cache-off"}
+    assert report["bootstrap"]["resamples"] == 500 and report["bootstrap"]["seed"] == 7
+    for side, model in (("a", "x"), ("b", "y")):
+        run = report[side]
+        assert run["target"]["model"] == model and run["target"]["base_url"] == url
+        assert run["requests"] == 4 and run["ok"] == 4 and len(run["results"]) == 4
+        assert set(run["summary"]) == {"ttft_s", "tpot_s", "total_s", "tps", "output_tokens"}
+    assert set(report["metrics"]) == {"ttft_s", "tpot_s", "total_s"}
+    for m in report["metrics"].values():
+        assert set(m) == {"ratio_b_over_a", "ci_low", "ci_high", "significant", "verdict"}
+    # The same prompt set went to both, interleaved in rounds of C: A A B B A A B B.
+    assert [b["model"] for b in app.bodies] == ["x", "x", "y", "y"] * 2
+    assert "cache-off" in report["metrics"]["tpot_s"]["verdict"]
+
+
+def test_two_models_on_one_url(capsys: pytest.CaptureFixture[str]) -> None:
+    tpots = {"small": 0.008, "large": 0.024}
+    with engine(ttft_s=0.03, tokens=10, jitter=JITTER, tpot_for_model=tpots) as (_, url):
+        code, out, _ = run_compare(
+            capsys, "--base-url", url, "--model-a", "small", "--model-b", "large", "-n", "10", "-c", "5"
+        )
+    assert code == 0
+    assert "TPOT " in out and "× higher in B, 95% CI" in out
+    assert "model: small" in out and "model: large" in out
+
+
+def test_an_unreachable_side_fails_clearly(capsys: pytest.CaptureFixture[str]) -> None:
+    with engine(tokens=3) as (_, url):
+        dead = f"http://127.0.0.1:{closed_port()}/v1"
+        code, out, err = run_compare(
+            capsys, "--a", url, "--b", dead, "--model", "m", "-n", "2", "--retries", "0"
+        )
+    assert code == 1
+    assert "not enough successful requests" in out
+    assert "2 of 4 requests failed" in err and "cannot connect" in err
+
+
+def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_compare(capsys, "--confidence", "1.5")[0] == 2
+    code, _, err = run_compare(capsys, "--a", "not-a-url")
+    assert code == 2 and "http:// or https://" in err
+
+
+# -- verdict wording ---------------------------------------------------------------------------
+
+
+def test_verdict_wording() -> None:
+    higher = RatioCI(ratio=3.1, low=2.8, high=3.4, confidence=0.95, resamples=100)
+    assert compare.verdict("TPOT", higher) == "TPOT 3.1× higher in B, 95% CI 2.8–3.4×"
+    lower = RatioCI(ratio=0.5, low=0.4, high=0.625, confidence=0.95, resamples=100)
+    assert compare.verdict("TTFT", lower) == "TTFT 2.00× lower in B, 95% CI 1.60–2.50×"
+    same = RatioCI(ratio=1.02, low=0.95, high=1.1, confidence=0.95, resamples=100)
+    assert compare.verdict("TTFT", same) == "TTFT: no clear difference (B/A 1.02×, 95% CI 0.95–1.10×)"
+    assert "not enough" in compare.verdict("TPOT", None)
+
+
+# -- stats -------------------------------------------------------------------------------------
+
+
+def test_percentile_interpolates_like_numpy_linear() -> None:
+    xs = [15.0, 20.0, 35.0, 40.0, 50.0]
+    assert percentile(xs, 0) == 15 and percentile(xs, 100) == 50
+    assert percentile(xs, 50) == 35
+    assert percentile(xs, 40) == pytest.approx(29.0)  # numpy.percentile(xs, 40) == 29.0
+    assert percentile(xs, 90) == pytest.approx(46.0)
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([2.0, 1.0], 50) == 1.5  # unsorted input
+    rng = random.Random(5)
+    data = [rng.random() for _ in range(101)]
+    assert percentile(data, 50) == statistics.median(data)
+    with pytest.raises(ValueError):
+        percentile([], 50)
+    with pytest.raises(ValueError):
+        percentile(xs, 101)
+
+
+def test_summarize() -> None:
+    s = summarize([1.0, 2.0, 3.0, 4.0])
+    assert s == {"n": 4, "p50": 2.5, "p90": pytest.approx(3.7), "p99": pytest.approx(3.97),
+                 "mean": 2.5, "min": 1.0, "max": 4.0}  # fmt: skip
+    assert summarize([]) is None
+
+
+def test_bootstrap_is_seeded_and_brackets_the_ratio() -> None:
+    rng = random.Random(1)
+    a = [rng.gauss(10, 1) for _ in range(30)]
+    b = [3 * rng.gauss(10, 1) for _ in range(30)]
+    ci = bootstrap_ratio_ci(a, b, seed=42)
+    assert ci == bootstrap_ratio_ci(a, b, seed=42)  # reproducible
+    assert ci != bootstrap_ratio_ci(a, b, seed=43)
+    assert ci.low <= ci.ratio <= ci.high and not ci.includes_one
+    assert 2.5 < ci.low and ci.high < 3.5
+    assert ci.ratio == pytest.approx(statistics.median(b) / statistics.median(a))
+    assert ci.confidence == 0.95 and ci.resamples == 2000
+
+
+def test_bootstrap_of_one_population_includes_one() -> None:
+    rng = random.Random(2)
+    pop = [rng.lognormvariate(0, 0.3) for _ in range(40)]
+    ci = bootstrap_ratio_ci(pop[:20], pop[20:], resamples=1000)
+    assert ci.includes_one
+    wider = bootstrap_ratio_ci(pop[:20], pop[20:], resamples=1000, confidence=0.99)
+    assert wider.low <= ci.low and wider.high >= ci.high
+
+
+def test_bootstrap_exact_scaling() -> None:
+    a = [1.0, 2.0, 3.0]
+    ci = bootstrap_ratio_ci(a, [3 * x for x in a], resamples=200)
+    assert ci.ratio == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "kwargs"),
+    [
+        ([1.0], [1.0, 2.0], {}),
+        ([0.0, 0.0], [1.0, 2.0], {}),
+        ([1.0, 2.0], [1.0, 2.0], {"resamples": 0}),
+        ([1.0, 2.0], [1.0, 2.0], {"confidence": 1.0}),
+    ],
+)
+def test_bootstrap_rejects_bad_input(a: list[float], b: list[float], kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        bootstrap_ratio_ci(a, b, **kwargs)  # type: ignore[arg-type]

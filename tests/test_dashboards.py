@@ -1,0 +1,146 @@
+"""Grafana dashboards: Grafana's own dashboard schema, and the conventions the stack relies on."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARDS = sorted((ROOT / "dashboards").glob("*.json"))
+SCHEMA = ROOT / "deploy" / "grafana" / "dashboard.schema.json"
+PROVISIONING = ROOT / "deploy" / "grafana" / "provisioning"
+
+
+def panels(dash: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for p in dash["panels"]:
+        out.append(p)
+        out += p.get("panels", [])
+    return out
+
+
+def load(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def test_three_dashboards() -> None:
+    assert [p.name for p in DASHBOARDS] == [
+        "infertap-engine.json",
+        "infertap-overview.json",
+        "infertap-prefill-decode.json",
+    ]
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_valid_against_grafana_schema(path: Path) -> None:
+    try:
+        import jsonschema
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            pytest.fail("jsonschema is missing in CI: scripts/install_deploy_tools.sh installs it")
+        pytest.skip("jsonschema is not installed (run scripts/install_deploy_tools.sh)")
+    schema = json.loads(SCHEMA.read_text())
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(load(path)), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message[:300]}" for e in errors[:10])
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_conventions(path: Path) -> None:
+    dash = load(path)
+    assert dash["schemaVersion"] >= 39
+    assert dash["uid"] == path.stem and len(dash["uid"]) <= 40
+    names = [v["name"] for v in dash["templating"]["list"]]
+    assert names == ["datasource", "model", "upstream"]
+    ids = [p["id"] for p in panels(dash)]
+    assert len(ids) == len(set(ids))
+    for p in panels(dash):
+        assert p.get("title"), p
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+        if p["type"] in ("row", "text"):
+            continue
+        assert p.get("description"), f"{p['title']}: every panel says what it means"
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+        refs = [t["refId"] for t in p["targets"]]
+        assert len(refs) == len(set(refs)) and refs, p["title"]
+        for t in p["targets"]:
+            assert t["datasource"]["uid"] == "${datasource}", p["title"]
+            assert "$model" in t["expr"] or "infertap_build_info" in t["expr"] or "$upstream" in t["expr"], (
+                f"{p['title']}: {t['expr']} ignores the dashboard's variables"
+            )
+
+
+def test_ttft_and_e2e_panels_show_exemplars_linked_to_traces() -> None:
+    exemplar_metrics = set()
+    for path in DASHBOARDS:
+        for p in panels(load(path)):
+            for t in p.get("targets", []):
+                if t.get("exemplar"):
+                    exemplar_metrics |= set(re.findall(r"infertap_\w+_bucket", t["expr"]))
+    assert exemplar_metrics == {
+        "infertap_time_to_first_token_seconds_bucket",
+        "infertap_request_duration_seconds_bucket",
+    }
+    ds = yaml.safe_load((PROVISIONING / "datasources" / "datasources.yml").read_text())["datasources"]
+    by_uid = {d["uid"]: d for d in ds}
+    dest = by_uid["prometheus"]["jsonData"]["exemplarTraceIdDestinations"]
+    assert dest == [{"name": "trace_id", "datasourceUid": "jaeger"}]
+    assert by_uid["jaeger"]["type"] == "jaeger"
+
+
+def test_engine_dashboard_names_the_five_faults() -> None:
+    dash = load(ROOT / "dashboards" / "infertap-engine.json")
+    text = json.dumps(dash)
+    for n in range(1, 6):
+        assert f"Fault {n}," in text
+
+
+def test_required_panels() -> None:
+    titles = {path.stem: {p["title"] for p in panels(load(path))} for path in DASHBOARDS}
+    assert {
+        "Requests/s by outcome",
+        "Error and timeout ratio",
+        "In-flight requests",
+        "Time to first token",
+        "Time per output token",
+        "Inter-token latency",
+        "End-to-end duration",
+        "Tokens/s",
+        "Interrupted streams and client disconnects",
+    } <= titles["infertap-overview"]
+    assert {
+        "TTFT heatmap",
+        "TTFT p95 by prompt class",
+        "TTFB vs TTFT",
+        "Output length distribution",
+        "TTFT p95: now, 1 day and 1 week earlier",
+    } <= titles["infertap-prefill-decode"]
+    assert {
+        "TTFT: engine vs proxy (p95)",
+        "Requests waiting and running",
+        "KV cache usage",
+        "Prefix cache hit rate",
+        "Preemptions/s",
+    } <= titles["infertap-engine"]
+
+
+def test_provisioning_points_at_the_dashboards() -> None:
+    prov = yaml.safe_load((PROVISIONING / "dashboards" / "dashboards.yml").read_text())
+    path = prov["providers"][0]["options"]["path"]
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert f"./dashboards:{path}:ro" in compose["services"]["grafana"]["volumes"]
+    assert (
+        "./deploy/grafana/provisioning:/etc/grafana/provisioning:ro"
+        in compose["services"]["grafana"]["volumes"]
+    )
+
+
+def test_kubernetes_copies_are_identical() -> None:
+    for path in DASHBOARDS:
+        assert (ROOT / "deploy" / "kubernetes" / "dashboards" / path.name).read_text() == path.read_text()

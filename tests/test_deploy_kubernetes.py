@@ -1,0 +1,137 @@
+"""deploy/kubernetes: kustomize renders it, kubernetes-validate --strict accepts every built-in kind
+(the Prometheus Operator CRDs ServiceMonitor and PrometheusRule have no schema there: their rules are
+checked with promtool instead), and the manifests follow the conventions the rest relies on."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+K8S = ROOT / "deploy" / "kubernetes"
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name) or next(
+        (str(p) for p in [Path(sys.executable).parent / name] if p.exists()), None
+    )
+    if path:
+        return path
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{name} is missing in CI: scripts/install_deploy_tools.sh should have installed it")
+    pytest.skip(f"{name} is not installed (run scripts/install_deploy_tools.sh)")
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    r = subprocess.run([tool("kubectl"), "kustomize", str(K8S)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    path = tmp_path_factory.mktemp("k8s") / "rendered.yaml"
+    path.write_text(r.stdout)
+    return path, [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def test_kinds(rendered: tuple[Path, list[dict[str, Any]]]) -> None:
+    kinds = sorted(d["kind"] for d in rendered[1])
+    assert kinds == sorted(
+        [
+            "Namespace",
+            "ConfigMap",
+            "ConfigMap",
+            "Deployment",
+            "Service",
+            "HorizontalPodAutoscaler",
+            "PodDisruptionBudget",
+            "ServiceMonitor",
+            "PrometheusRule",
+        ]
+    )
+    assert all(d["metadata"].get("namespace") == "infertap" for d in rendered[1] if d["kind"] != "Namespace")
+
+
+def test_kubernetes_validate_strict(rendered: tuple[Path, list[dict[str, Any]]]) -> None:
+    r = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", str(rendered[0])],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "ERROR" not in out
+    passed = out.count(" passed for resource ")
+    assert passed == len(rendered[1]) - 2, out  # all but the two CRDs
+
+
+def test_deployment(rendered: tuple[Path, list[dict[str, Any]]]) -> None:
+    (dep,) = by_kind(rendered[1], "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (c,) = pod["containers"]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["ports"][0]["containerPort"] == 8080
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+    (key,) = c["env"]
+    assert key["valueFrom"]["secretKeyRef"]["name"] == "infertap-keys"
+    configmaps = {d["metadata"]["name"] for d in by_kind(rendered[1], "ConfigMap")}
+    (cfg_volume,) = [v for v in pod["volumes"] if "configMap" in v]
+    assert cfg_volume["configMap"]["name"] in configmaps  # kustomize rewrote the hashed name
+    assert "/etc/infertap/config.toml" in c["args"]
+
+
+def test_config_toml_loads() -> None:
+    settings_module = pytest.importorskip("proxy.settings")
+    settings = settings_module.load_settings(K8S / "config.toml")
+    assert settings.server.host == "0.0.0.0" and settings.server.port == 8080
+    assert any(u.api_key_env == "TAOTOKEN_API_KEY" for u in settings.upstreams)
+
+
+def test_dashboards_configmap(rendered: tuple[Path, list[dict[str, Any]]]) -> None:
+    (cm,) = [
+        d
+        for d in by_kind(rendered[1], "ConfigMap")
+        if d["metadata"]["name"].startswith("infertap-dashboards")
+    ]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    for name in ("infertap-overview.json", "infertap-prefill-decode.json", "infertap-engine.json"):
+        assert json.loads(cm["data"][name]) == json.loads((ROOT / "dashboards" / name).read_text())
+
+
+def test_prometheusrule_is_the_same_rules_and_valid(
+    rendered: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    (rule,) = by_kind(rendered[1], "PrometheusRule")
+    groups = []
+    for f in ("infertap-recording.yml", "infertap-alerts.yml"):
+        groups += yaml.safe_load((ROOT / "deploy/prometheus/rules" / f).read_text())["groups"]
+    assert rule["spec"]["groups"] == groups
+    out = tmp_path / "rules.yml"
+    out.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    r = subprocess.run(
+        [tool("promtool"), "check", "rules", str(out)], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_servicemonitor_selects_the_service(rendered: tuple[Path, list[dict[str, Any]]]) -> None:
+    (sm,) = by_kind(rendered[1], "ServiceMonitor")
+    (svc,) = by_kind(rendered[1], "Service")
+    labels = svc["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in sm["spec"]["selector"]["matchLabels"].items())
+    assert sm["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"]
+    assert labels[sm["spec"]["jobLabel"]] == "infertap"  # up{job="infertap"} in InfertapProxyDown

@@ -1,0 +1,161 @@
+"""Prometheus rules: promtool check and unit tests, the generated files, annotations and runbook anchors."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+RULES = ROOT / "deploy" / "prometheus" / "rules"
+RULE_TESTS = ROOT / "deploy" / "prometheus" / "tests"
+DOCS = ROOT / "docs" / "monitoring.md"
+
+
+def tool(name: str) -> str:
+    """The tool's path; skip when it is missing, but fail under CI=true (scripts/install_deploy_tools.sh)."""
+    path = shutil.which(name) or next(
+        (str(p) for p in [Path(sys.executable).parent / name] if p.exists()), None
+    )
+    if path:
+        return path
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{name} is missing in CI: scripts/install_deploy_tools.sh should have installed it")
+    pytest.skip(f"{name} is not installed (run scripts/install_deploy_tools.sh)")
+
+
+def load_generate() -> Any:
+    spec = importlib.util.spec_from_file_location("deploy_generate", ROOT / "deploy" / "generate.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def alerts() -> list[dict[str, Any]]:
+    groups = yaml.safe_load((RULES / "infertap-alerts.yml").read_text())["groups"]
+    return [r for g in groups for r in g["rules"]]
+
+
+def github_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a file's headings."""
+    out = set()
+    for line in markdown.splitlines():
+        m = re.match(r"#{1,6}\s+(.*)", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            out.add(slug)
+    return out
+
+
+def test_promtool_check_rules() -> None:
+    files = sorted(str(p) for p in RULES.glob("*.yml"))
+    r = subprocess.run(
+        [tool("promtool"), "check", "rules", *files], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_promtool_check_config(tmp_path: Path) -> None:
+    # The compose stack's Prometheus config (rule_files resolve inside the container: checked above).
+    cfg = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    cfg["rule_files"] = [str(RULES / "*.yml")]
+    tmp = tmp_path / "prometheus.yml"
+    tmp.write_text(yaml.safe_dump(cfg))
+    r = subprocess.run(
+        [tool("promtool"), "check", "config", str(tmp)], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.timeout(600)
+def test_promtool_test_rules() -> None:
+    """Every unit test file, run in parallel (the 8-day ones take about 25 s each)."""
+    promtool = tool("promtool")
+    files = sorted(RULE_TESTS.glob("*.test.yml"))
+    assert len(files) >= 4
+    procs = {
+        f.name: subprocess.Popen(
+            [promtool, "test", "rules", f.name],
+            cwd=RULE_TESTS,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for f in files
+    }
+    failures = {}
+    for name, p in procs.items():
+        out, _ = p.communicate(timeout=540)
+        if p.returncode != 0:
+            failures[name] = out[-4000:]
+    assert not failures, "\n".join(f"== {k}\n{v}" for k, v in failures.items())
+
+
+def test_generated_files_are_up_to_date(capsys: pytest.CaptureFixture[str]) -> None:
+    assert load_generate().main(["--check"]) == 0, capsys.readouterr().out
+
+
+def test_prometheusrule_holds_the_same_rules() -> None:
+    doc = yaml.safe_load((ROOT / "deploy/kubernetes/prometheusrule.yaml").read_text())
+    assert doc["kind"] == "PrometheusRule"
+    assert doc["spec"]["groups"] == load_generate().rule_groups()
+
+
+def test_every_alert_has_summary_description_and_a_runbook_that_exists() -> None:
+    anchors = github_anchors(DOCS.read_text())
+    names = [a["alert"] for a in alerts()]
+    assert len(names) == len(set(names)) >= 10
+    for a in alerts():
+        ann = a["annotations"]
+        assert ann["summary"] and ann["description"], a["alert"]
+        assert ann["runbook"] == ann["runbook_url"], a["alert"]
+        page, _, anchor = ann["runbook"].partition("#")
+        assert page == "docs/monitoring.md", a["alert"]
+        assert anchor in anchors, f"{a['alert']}: no heading in docs/monitoring.md gives #{anchor}"
+        assert a["labels"]["severity"] in ("warning", "critical"), a["alert"]
+        assert "$value" not in str(ann), "annotations use labels only: the unit tests assert them exactly"
+
+
+def test_every_alert_is_tested_firing_and_every_silent_scenario_checks_every_alert() -> None:
+    spec = importlib.util.spec_from_file_location("scenarios", RULE_TESTS / "scenarios.py")
+    assert spec and spec.loader
+    scenarios = importlib.util.module_from_spec(spec)
+    sys.modules["scenarios"] = scenarios
+    spec.loader.exec_module(scenarios)
+    fired = {alert for _, _, _, cases in scenarios.FILES.values() for *_, firing in cases for alert in firing}
+    assert fired == {a["alert"] for a in alerts()}
+    silent = [c[0] for c in scenarios.FILES["silent.test.yml"][3]]
+    assert silent == [
+        "steady traffic",
+        "low traffic that goes bad",
+        "the same weekly pattern as last week",
+        "prompts getting longer",
+    ]
+    doc = yaml.safe_load((RULE_TESTS / "silent.test.yml").read_text())
+    for test in doc["tests"]:
+        checked = {t["alertname"] for t in test["alert_rule_test"]}
+        assert checked == {a["alert"] for a in alerts()}, test["name"]
+        assert all(t["exp_alerts"] == [] for t in test["alert_rule_test"]), test["name"]
+
+
+def test_alertmanager_config() -> None:
+    cfg = ROOT / "deploy/alertmanager/alertmanager.yml"
+    amtool = shutil.which("amtool")
+    if amtool:
+        r = subprocess.run([amtool, "check-config", str(cfg)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+    doc = yaml.safe_load(cfg.read_text())
+    known = {a["alert"] for a in alerts()}
+    for rule in doc["inhibit_rules"]:
+        for m in rule["source_matchers"] + rule["target_matchers"]:
+            names = re.findall(r"Infertap\w+", m)
+            assert names and set(names) <= known, m

@@ -1,0 +1,149 @@
+"""`infertap serve` as a user runs it: a real process, the embedded engine, real clients."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import wait_until
+
+MESSAGES = [{"role": "user", "content": "Explain prefill and decode."}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def embedded() -> Iterator[str]:
+    """infertap with no upstream configured: it must start its simulated engine by itself."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("INFERTAP_", "TAOTOKEN_"))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "serve", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            return True
+        try:
+            return httpx.get(f"{base}/readyz").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(up, 60, "infertap serve with the embedded engine")
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        yield base
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=20)
+        assert "embedded simulated engine" in err  # it says clearly where requests go
+
+
+def test_openai_sdk_sync_and_async_through_the_embedded_default(embedded: str) -> None:
+    client = openai.OpenAI(base_url=f"{embedded}/v1", api_key="unused", max_retries=0)
+    full = client.chat.completions.create(model="sim-model", messages=MESSAGES, max_tokens=8)  # type: ignore[arg-type]
+    assert full.choices[0].message.content and full.usage and full.usage.completion_tokens == 8
+    parts = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model="sim-model", messages=MESSAGES, max_tokens=8, stream=True
+        )
+        if c.choices
+    ]  # type: ignore[arg-type]
+    assert "".join(parts).strip()
+    client.close()
+
+    async def run() -> tuple[str, str]:
+        aclient = openai.AsyncOpenAI(base_url=f"{embedded}/v1", api_key="unused", max_retries=0)
+        done = await aclient.chat.completions.create(model="sim-model", messages=MESSAGES, max_tokens=6)  # type: ignore[arg-type]
+        streamed = []
+        async for c in await aclient.chat.completions.create(
+            model="sim-model",
+            messages=MESSAGES,
+            max_tokens=6,
+            stream=True,  # type: ignore[arg-type]
+        ):
+            if c.choices:
+                streamed.append(c.choices[0].delta.content or "")
+        await aclient.close()
+        return done.choices[0].message.content or "", "".join(streamed)
+
+    full_text, streamed_text = asyncio.run(run())
+    assert full_text.strip() and streamed_text.strip()
+    metrics = httpx.get(f"{embedded}/metrics").text
+    assert (
+        'infertap_requests_total{model="sim-model",outcome="ok",route="chat.completions",stream="true",'
+        'upstream="sim"}' in metrics
+    )
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl not installed")
+def test_curl_streams_through_the_embedded_default(embedded: str) -> None:
+    out = subprocess.run(
+        [
+            "curl",
+            "-sN",
+            f"{embedded}/v1/chat/completions",
+            "-H",
+            "content-type: application/json",
+            "-d",
+            '{"model": "sim-model", "stream": true, "max_tokens": 4, '
+            '"messages": [{"role": "user", "content": "Hello"}]}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    events = [e for e in out.split("\n\n") if e.strip()]
+    assert events[-1] == "data: [DONE]"
+    assert sum('"content":"' in e and '"content":""' not in e for e in events) == 4
+    assert '"choices":[]' not in out  # the usage chunk infertap asked for is not shown to curl
+
+
+def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "proxy", "serve", *args], capture_output=True, text=True, timeout=60, env=env
+    )
+
+
+def test_a_wrong_config_names_the_field_without_a_traceback(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('[server]\nport = "eighty"\n[[upstreams]]\nname = "x"\nbase_url = "ftp://nope"\n')
+    r = _serve("--config", str(cfg))
+    assert r.returncode == 2
+    assert "server.port" in r.stderr and "upstreams.0.base_url" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = _serve("--config", str(tmp_path / "missing.toml"))
+    assert r.returncode == 2 and "not found" in r.stderr and "Traceback" not in r.stderr
+    cfg.write_text("[server\n")
+    r = _serve("--config", str(cfg))
+    assert r.returncode == 2 and "not valid TOML" in r.stderr
+
+
+def test_help_lists_commands_and_options() -> None:
+    top = subprocess.run(
+        [sys.executable, "-m", "proxy", "--help"], capture_output=True, text=True, check=True
+    )
+    assert "serve" in top.stdout and "sim" in top.stdout
+    serve = _serve("--help")
+    assert serve.returncode == 0 and "--upstream" in serve.stdout and "TAOTOKEN_API_KEY" in serve.stdout
