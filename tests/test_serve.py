@@ -27,16 +27,17 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def embedded() -> Iterator[str]:
+def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """infertap with no upstream configured: it must start its simulated engine by itself."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("INFERTAP_", "TAOTOKEN_"))}
+    log = tmp_path_factory.mktemp("serve") / "stderr.log"
+    stderr = log.open("w")  # a file, not a pipe: a full pipe would block the server's logging
     proc = subprocess.Popen(
         [sys.executable, "-m", "proxy", "serve", "--port", str(port)],
         env=env,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+        stderr=stderr,
     )
     base = f"http://127.0.0.1:{port}"
 
@@ -50,12 +51,13 @@ def embedded() -> Iterator[str]:
 
     try:
         wait_until(up, 60, "infertap serve with the embedded engine")
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        assert proc.poll() is None, log.read_text()
         yield base
     finally:
         proc.terminate()
-        _, err = proc.communicate(timeout=20)
-        assert "embedded simulated engine" in err  # it says clearly where requests go
+        proc.wait(timeout=20)
+        stderr.close()
+    assert "embedded simulated engine" in log.read_text()  # it says clearly where requests go
 
 
 def test_openai_sdk_sync_and_async_through_the_embedded_default(embedded: str) -> None:

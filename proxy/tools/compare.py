@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="infertap compare",
         description="A/B two OpenAI-compatible targets: TTFT and TPOT side by side, the B/A ratio of "
-        "medians with a bootstrap 95%% CI, and a verdict.",
+        "medians with a bootstrap 95% CI, and a verdict.",
         epilog=_EPILOG.format(resamples=2000),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
