@@ -171,8 +171,21 @@ def run(settings: Settings) -> None:
         uvicorn.run("proxy.serve:app_from_env", factory=True, workers=s.workers, **common)  # type: ignore[arg-type]
 
 
+def _raise_fd_limit() -> None:
+    """Each stream holds two sockets (client and upstream): the usual soft limit of 1024 files
+    would cap infertap near 500 concurrent streams, far below what the hard limit allows."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    _raise_fd_limit()
     logging.basicConfig(
         level=(args.log_level or "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

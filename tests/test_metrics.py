@@ -321,3 +321,25 @@ def test_two_workers_aggregate_metrics(fake: tuple[FakeUpstream, str], tmp_path:
     finally:
         proc.terminate()
         proc.wait(timeout=15)
+
+
+def test_exemplars_carry_the_real_trace_id(fake: tuple[FakeUpstream, str]) -> None:
+    """With the tracing observer on, the TTFT exemplar names the request's own trace."""
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from proxy.tracing import TracingObserver
+
+    _, url = fake
+    settings = make_settings(("fake", url))
+    spans = InMemorySpanExporter()
+    tracer = TracingObserver(settings.tracing, processor=SimpleSpanProcessor(spans))
+    with run_proxy(settings, tracer) as proxy, httpx.Client() as c:
+        c.post(f"{proxy}/v1/chat/completions", json={**CHAT, "stream": True})
+        om = c.get(f"{proxy}/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"}).text
+    server = [s for s in spans.get_finished_spans() if s.parent is None or s.kind.name == "SERVER"]
+    trace_id = format(server[0].context.trace_id, "032x")
+    ttft = [ln for ln in om.splitlines() if ln.startswith("infertap_time_to_first_token_seconds_bucket")]
+    assert any(f'trace_id="{trace_id}"' in ln for ln in ttft)
+    e2e = [ln for ln in om.splitlines() if ln.startswith("infertap_request_duration_seconds_bucket")]
+    assert any(f'trace_id="{trace_id}"' in ln for ln in e2e)

@@ -14,9 +14,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from proxy.settings import Settings
 from proxy.tools.fake_upstream import FakeUpstream
+from proxy.tracing import TracingObserver
 from tests.conftest import RecordingObserver, make_settings, run_proxy, wait_until
 from tests.promtext import samples, scrape, value
 
@@ -324,6 +327,8 @@ def test_upstream_key_appears_nowhere_after_the_fault_suite(
     settings.upstreams[1].models = ["dead-*"]
     caplog.set_level("DEBUG")
     seen: list[bytes] = []
+    spans = InMemorySpanExporter()
+    tracer = TracingObserver(settings.tracing, processor=SimpleSpanProcessor(spans))
     faults = [
         {},
         {"x-fake-hang": "before-headers"},
@@ -334,7 +339,7 @@ def test_upstream_key_appears_nowhere_after_the_fault_suite(
         {"x-fake-malformed": "1"},
         {"x-fake-fail-first": "1"},
     ]
-    with run_proxy(settings) as proxy:
+    with run_proxy(settings, tracer) as proxy:
         for i, h in enumerate(faults):
             r = post(proxy, STREAM, **h, **{"x-request-id": f"k{i}"})
             seen.append(r.content + repr(r.headers).encode())
@@ -343,6 +348,8 @@ def test_upstream_key_appears_nowhere_after_the_fault_suite(
         seen.append(scrape(proxy).encode())
         seen.append(httpx.get(f"{proxy}/readyz").content + httpx.get(f"{proxy}/v1/models").content)
     assert all(req.headers.get("authorization") == f"Bearer {secret}" for req in upstream.requests)
+    seen.append("".join(span.to_json() for span in spans.get_finished_spans()).encode())
+    assert len(spans.get_finished_spans()) > len(faults)
     assert not any(secret.encode() in s for s in seen)
     assert secret not in caplog.text
 
