@@ -61,7 +61,6 @@ _TIMEOUTS = frozenset(
 )
 _MAX_DESCRIPTION = 512
 # Proposed Exchange field: how many characters of the answer the core should collect.
-_CAPTURE_FIELD = "capture_output_chars"
 
 
 # -- setup --------------------------------------------------------------------------------------
@@ -321,9 +320,9 @@ class TracingObserver(Observer):
         if ctx.trace_flags.sampled:
             ex.trace_id = format(ctx.trace_id, "032x")
         ex.scratch[self.name] = _State(span, name, attrs)
-        if self.capture_content and hasattr(ex, _CAPTURE_FIELD):
+        if self.capture_content:
             # One character over the cap, so that cutting the answer shows as truncated.
-            setattr(ex, _CAPTURE_FIELD, max(getattr(ex, _CAPTURE_FIELD), self.content_max_chars + 1))
+            ex.capture_output_chars = max(ex.capture_output_chars, self.content_max_chars + 1)
 
     def attempt_started(self, ex: Exchange) -> None:
         st: _State | None = ex.scratch.get(self.name)
@@ -417,17 +416,15 @@ class TracingObserver(Observer):
         server.end(end)
 
     def _content(self, ex: Exchange) -> Attrs:
-        """Prompts and completions, only with capture_content; needs the core fields noted below."""
-        # `request_json` (the parsed request body) and `output_text` (the relayed answer's text)
-        # are proposed Exchange fields; until the core sets them there is nothing to record.
+        """Prompts and completions, only with capture_content."""
         budget, out_budget = _Budget(self.content_max_chars), _Budget(self.content_max_chars)
         attrs: Attrs = {}
-        request = getattr(ex, "request_json", None)
+        request = ex.request_json
         if isinstance(request, dict):
             messages = input_messages(ex.route, request, budget)
             if messages:
                 attrs["gen_ai.input.messages"] = orjson.dumps(messages).decode()
-        text = getattr(ex, "output_text", None)
+        text = ex.output_text
         if isinstance(text, str):
             out: dict[str, Any] = {
                 "role": "assistant",
