@@ -22,6 +22,7 @@ from proxy.accesslog import AccessLog
 from proxy.asgi import Receive, Scope, Send, error_body, header, send_error, send_json
 from proxy.auth import ClientKeys, bearer_token
 from proxy.forward import Forwarder
+from proxy.loops import LoopDetector
 from proxy.metrics import CollectorRegistry, Metrics
 from proxy.observer import Observer, ObserverSet
 from proxy.request import display_url
@@ -158,7 +159,8 @@ class InfertapApp:
         await send_error(
             send,
             404,
-            f"no route {method} {path}: infertap serves /v1/* (OpenAI API), /healthz, /readyz and /metrics",
+            f"no route {method} {path}: infertap serves /v1/* (the OpenAI API), /healthz, /readyz, "
+            "/metrics and /ui",
             "invalid_request_error",
             "not_found",
         )
@@ -277,6 +279,8 @@ def create_app(
         chain.append(collector)
     if settings.metrics.access_log:
         chain.append(AccessLog(settings.metrics.access_log_format))
+    if settings.loops.enabled:
+        chain.append(LoopDetector(settings.loops, collector.degenerate_response if collector else None))
     if settings.ui.enabled:
         chain.append(UIObserver(settings, collector.model_label if collector is not None else None))
     chain.extend(observers)

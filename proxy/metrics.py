@@ -272,6 +272,12 @@ class Metrics(Observer):
             registry=r,
             multiprocess_mode="livemin",
         )
+        self.degenerate = Counter(
+            "infertap_degenerate_responses_total",
+            "Responses whose output text repeats itself (loop detection, [loops] enabled).",
+            ["model"],
+            registry=r,
+        )
         self.build_info = Gauge(
             "infertap_build_info", "infertap's version.", ["version"], registry=r, multiprocess_mode="max"
         )
@@ -363,6 +369,11 @@ class Metrics(Observer):
         self.req_completion_tokens.labels(model, upstream).observe(completion)
         if ex.completion_tokens is None:
             self.estimated.labels(model, upstream).inc()
+
+    def degenerate_response(self, ex: Exchange, score: float) -> None:
+        """Called by the loop detector (proxy/loops.py) for an answer that repeats itself."""
+        labels = ex.scratch.get("metrics")
+        self.degenerate.labels(labels[0] if labels else self.model_label(ex.model)).inc()
 
     def _exemplar(self, ex: Exchange) -> dict[str, str] | None:
         if self.exemplars and ex.trace_id:

@@ -130,15 +130,27 @@ class UISettings(_Section):
     step_seconds: int = Field(default=5, ge=1, le=300, description="one chart point (quantiles, rates)")
     recent_requests: int = Field(default=100, ge=1, le=10_000, description="rows in the last-requests table")
     samples_per_step: int = Field(
-        default=200, ge=10, le=10_000, description="TTFT/TPOT samples kept per model and step (uniform beyond)"
+        default=200, ge=10, le=10_000, description="TTFT/TPOT samples kept per model and step (then sampled)"
     )
-    refresh_seconds: float = Field(default=2.0, ge=0.5, le=60, description="how often the page reloads its data")
+    refresh_seconds: float = Field(default=2.0, ge=0.5, le=60, description="how often the page reloads")
 
     @model_validator(mode="after")
     def _steps(self) -> Self:
         if self.window_seconds < 2 * self.step_seconds:
             raise ValueError("window_seconds must be at least twice step_seconds")
         return self
+
+
+class LoopSettings(_Section):
+    """Loop detection (proxy/loops.py): counts answers that repeat themselves in
+    infertap_degenerate_responses_total. Off by default: it makes the SSE scanner parse every
+    output event's JSON until `window_chars` of text are collected (cost: docs/doctor.md)."""
+
+    enabled: bool = False
+    window_chars: int = Field(default=2000, ge=100, le=100_000, description="text scored per answer")
+    ngram: int = Field(default=4, ge=2, le=16, description="words per n-gram")
+    threshold: float = Field(default=0.5, gt=0, le=1, description="repeated n-gram share that flags a loop")
+    min_tokens: int = Field(default=40, ge=1, description="shorter answers are not scored")
 
 
 class UpstreamSettings(_Section):
@@ -226,6 +238,7 @@ class Settings(BaseSettings):
     auth: AuthSettings = Field(default_factory=AuthSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
+    loops: LoopSettings = Field(default_factory=LoopSettings)
     ui: UISettings = Field(default_factory=UISettings)
     sim_config: str | None = Field(
         default=None, description="engine config.toml for the embedded simulated engine"

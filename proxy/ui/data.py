@@ -6,6 +6,9 @@ reservoir, one row into a deque); sorting and quantiles happen only in `quantile
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
 import random
 import re
 from collections.abc import Iterable, Sequence
@@ -15,6 +18,7 @@ from proxy.request import display_url
 from proxy.settings import Settings
 
 QUANTILES = (0.5, 0.9, 0.99)
+MERGE_MAX = 2048
 
 
 class Second:
@@ -62,11 +66,12 @@ class SecondRing:
 class Reservoir:
     """Up to `cap` values, a uniform sample (Vitter's algorithm R) of the `n` offered."""
 
-    __slots__ = ("n", "values")
+    __slots__ = ("n", "values", "cached")
 
     def __init__(self) -> None:
         self.n = 0
         self.values: list[float] = []
+        self.cached: tuple[int, list[float | None]] | None = None  # (n, quantiles) of the last read
 
     def add(self, value: float, cap: int, rng: random.Random) -> None:
         self.n += 1
@@ -109,34 +114,60 @@ class StepRing:
         return slot if slot is not None and slot.step == step else None
 
 
+def rank(sorted_values: Sequence[float], q: float) -> float:
+    """The q-quantile by nearest rank: the ceil(q * n)-th smallest value."""
+    n = len(sorted_values)
+    return sorted_values[min(n - 1, max(0, math.ceil(q * n - 1e-9) - 1))]
+
+
+def step_quantiles(r: Reservoir | None) -> tuple[int, list[float | None]]:
+    """One reservoir's (values offered, QUANTILES), remembered until it is offered another value."""
+    if r is None or not r.values:
+        return (0 if r is None else r.n), [None] * len(QUANTILES)
+    if r.cached is None or r.cached[0] != r.n:
+        r.values.sort()
+        r.cached = (r.n, [rank(r.values, q) for q in QUANTILES])
+    return r.cached
+
+
 def quantiles(groups: Iterable[Reservoir], qs: Sequence[float] = QUANTILES) -> tuple[int, list[float | None]]:
     """(values offered, [quantile for q in qs]) over several reservoirs, by nearest rank.
 
-    A reservoir that kept all its values weighs each one 1, so the result is exactly the
-    ceil(q * n)-th smallest value; one that sampled weighs each kept value n / kept.
-    `qs` must be ascending.
+    Exact (the ceil(q * n)-th smallest value) while the reservoirs kept all they were offered
+    and hold at most MERGE_MAX values together. Beyond that each kept value weighs offered /
+    kept, over at most MERGE_MAX values thinned evenly by rank, so that the cost of a read stays
+    bounded whatever the traffic. Sorts each reservoir in place (once per change: see
+    step_quantiles). `qs` must be ascending.
     """
-    pairs: list[tuple[float, float]] = []
-    n = 0
-    for r in groups:
-        if not r.values:
-            continue
-        n += r.n
-        weight = r.n / len(r.values)
-        pairs.extend((v, weight) for v in r.values)
-    if not pairs:
+    kept = [r for r in groups if r.values]
+    if not kept:
         return 0, [None] * len(qs)
-    pairs.sort()
-    total = sum(w for _, w in pairs)
-    out: list[float | None] = []
-    i, below = 0, 0.0
-    for q in qs:
-        target = q * total - 1e-9 * total
-        while i < len(pairs) - 1 and below + pairs[i][1] < target:
-            below += pairs[i][1]
-            i += 1
-        out.append(pairs[i][0])
-    return n, out
+    n = sum(r.n for r in kept)
+    size = 0
+    for r in kept:
+        step_quantiles(r)  # sorts it, unless it is sorted since it was last offered a value
+        size += len(r.values)
+    if len(kept) == 1 or (size <= MERGE_MAX and size == n):
+        merged = kept[0].values
+        if len(kept) > 1:
+            merged = []
+            for r in kept:
+                merged += r.values
+            merged.sort()
+        return n, [rank(merged, q) for q in qs]
+    stride = math.ceil(size / MERGE_MAX)
+    values: list[float] = []
+    weights: list[float] = []
+    for r in kept:
+        thinned = r.values[stride // 2 :: stride] or r.values[-1:]
+        values += thinned
+        weights.extend(itertools.repeat(r.n / len(thinned), len(thinned)))
+    order = sorted(range(len(values)), key=values.__getitem__)
+    below = list(itertools.accumulate(weights[i] for i in order))  # weight at or below each value
+    total = below[-1]
+    return n, [
+        values[order[min(bisect.bisect_left(below, q * total - 1e-9 * total), len(order) - 1)]] for q in qs
+    ]
 
 
 # -- the active configuration, with nothing secret in it ------------------------------------

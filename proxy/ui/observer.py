@@ -24,9 +24,19 @@ from proxy.metrics import NONE, TIMEOUT_PHASES, ModelLabels
 from proxy.observer import Observer
 from proxy.request import display_url
 from proxy.settings import Settings
-from proxy.ui.data import QUANTILES, Reservoir, SecondRing, Step, StepRing, public_config, quantiles
+from proxy.ui.data import (
+    QUANTILES,
+    SecondRing,
+    Step,
+    StepRing,
+    public_config,
+    quantiles,
+    step_quantiles,
+)
 
 MAX_MODEL_CHARS = 120
+CHARTED_MODELS = 12
+NAMES = tuple(f"p{round(q * 100)}" for q in QUANTILES)
 _OK = Outcome.OK.value
 
 
@@ -58,7 +68,8 @@ class UIObserver(Observer):
         self.started = clock()
         self.in_flight = 0
         self.in_flight_by: dict[str, int] = {up.name: 0 for up in settings.upstreams}
-        self.health: dict[str, tuple[bool, float | None]] = {up.name: (True, None) for up in settings.upstreams}
+        # Circuit state by upstream: (up, wall-clock time of the last change); all up at start.
+        self.health: dict[str, tuple[bool, float | None]] = {u.name: (True, None) for u in settings.upstreams}
         # Since start, this worker: requests by upstream and outcome, retries, timeouts by phase.
         self.outcomes: dict[str, dict[str, int]] = {}
         self.retries = 0
@@ -125,7 +136,8 @@ class UIObserver(Observer):
             self.completion_tokens += completion
         self.recent.append(
             {
-                "time": ex.started_unix_ns / 1e9,
+                "time": self.wall(),  # when it ended: the table's order
+                "started": ex.started_unix_ns / 1e9,
                 "request_id": ex.request_id,
                 "model": (ex.model or "")[:MAX_MODEL_CHARS],
                 "upstream": upstream,
@@ -160,6 +172,7 @@ class UIObserver(Observer):
         last = sec // self.step
         steps = range(last - self.steps + 1, last + 1)
         t = [round(wall - (now - s * self.step), 3) for s in steps]
+        latency, others = self._latency(steps)
         return {
             "version": __version__,
             "pid": os.getpid(),
@@ -174,7 +187,8 @@ class UIObserver(Observer):
             "totals": self._totals(),
             "last_minute": self._last_minute(now),
             "series": {"t": t, **self._rates(steps, now)},
-            "latency": self._latency(steps),
+            "latency": latency,
+            "other_models": others,
             "requests": list(reversed(self.recent)),
             "upstreams": self._upstreams(),
             "config": self.config,
@@ -217,18 +231,25 @@ class UIObserver(Observer):
 
     def _rates(self, steps: range, now: float) -> dict[str, Any]:
         """Per step, per second: requests by outcome, tokens in and out, retries, timeouts."""
-        outcomes: dict[str, list[float]] = {}
-        prompt: list[float] = []
-        completion: list[float] = []
-        retries: list[float] = []
-        timeouts: list[float] = []
+        outcomes: dict[str, list[float | None]] = {}
+        prompt: list[float | None] = []
+        completion: list[float | None] = []
+        retries: list[float | None] = []
+        timeouts: list[float | None] = []
         for i, s in enumerate(steps):
             first = s * self.step
+            if first + self.step <= self.started:  # before this worker started: no data, not zero
+                for empty in (prompt, completion, retries, timeouts):
+                    empty.append(None)
+                continue
             span = min(float(self.step), max(1.0, now - first))
             p = c = r = to = 0
             for sec in self.seconds.span(first, min(first + self.step - 1, int(now))):
                 for outcome, n in sec.outcomes.items():
-                    outcomes.setdefault(outcome, [0.0] * len(steps))[i] += n / span
+                    line = outcomes.get(outcome)
+                    if line is None:
+                        line = outcomes[outcome] = self._zeros(steps)
+                    line[i] = (line[i] or 0.0) + n / span
                 p += sec.prompt_tokens
                 c += sec.completion_tokens
                 r += sec.retries
@@ -245,31 +266,36 @@ class UIObserver(Observer):
             "timeouts_per_s": timeouts,
         }
 
-    def _latency(self, steps: range) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for model, ring in sorted(self.latency.items()):
+    def _zeros(self, steps: range) -> list[float | None]:
+        return [None if (s + 1) * self.step <= self.started else 0.0 for s in steps]
+
+    def _latency(self, steps: range) -> tuple[dict[str, Any], list[str]]:
+        """Quantile series per model, for the CHARTED_MODELS models with the most samples in the
+        window (a bound on the cost of a read); and the names of the other models."""
+        present: list[tuple[int, str, list[Step | None]]] = []
+        for model, ring in self.latency.items():
             found = [ring.get(s) for s in steps]
-            if not any(found):
-                continue
+            seen = sum(st.ttft.n + st.tpot.n for st in found if st is not None)
+            if seen:
+                present.append((seen, model, found))
+        present.sort(key=lambda p: (-p[0], p[1]))
+        out: dict[str, Any] = {}
+        for _, model, found in sorted(present[:CHARTED_MODELS], key=lambda p: p[1]):
             entry: dict[str, Any] = {}
             for kind in ("ttft", "tpot"):
-                series: dict[str, list[float | None]] = {f"p{round(q * 100)}": [] for q in QUANTILES}
+                kept = [None if st is None else (st.ttft if kind == "ttft" else st.tpot) for st in found]
+                series: dict[str, list[float | None]] = {name: [] for name in NAMES}
                 counts: list[int] = []
-                window: list[Reservoir] = []
-                for step in found:
-                    res: Reservoir | None = None if step is None else getattr(step, kind)
-                    n, qs = quantiles([res] if res is not None else [])
+                for res in kept:
+                    n, qs = step_quantiles(res)
                     counts.append(n)
-                    for q, v in zip(QUANTILES, qs, strict=True):
-                        series[f"p{round(q * 100)}"].append(v)
-                    if res is not None:
-                        window.append(res)
-                n, qs = quantiles(window)
-                summary: dict[str, Any] = {"count": n}
-                summary.update({f"p{round(q * 100)}": v for q, v in zip(QUANTILES, qs, strict=True)})
-                entry[kind] = {**series, "count": counts, "window": summary}
+                    for name, v in zip(NAMES, qs, strict=True):
+                        series[name].append(v)
+                n, qs = quantiles([r for r in kept if r is not None])
+                window: dict[str, Any] = {"count": n, **dict(zip(NAMES, qs, strict=True))}
+                entry[kind] = {**series, "count": counts, "window": window}
             out[model] = entry
-        return out
+        return out, sorted(model for _, model, _ in present[CHARTED_MODELS:])
 
     def _upstreams(self) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []

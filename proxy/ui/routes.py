@@ -9,6 +9,7 @@ sheet are the same for everyone and carry no data: they are served without the t
 from __future__ import annotations
 
 import hmac
+import time
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from urllib.parse import parse_qs
@@ -31,6 +32,7 @@ _COMMON: RawHeaders = [
     (b"referrer-policy", b"no-referrer"),
     (b"cache-control", b"no-store"),
 ]
+REUSE_SECONDS = 0.5
 STATIC: dict[str, tuple[str, bytes]] = {
     "/ui": ("index.html", b"text/html; charset=utf-8"),
     "/ui/app.js": ("app.js", b"text/javascript; charset=utf-8"),
@@ -47,6 +49,9 @@ class UIRoutes:
         self.observer = observer
         self.token = token
         self.files = {path: (static_file(name), ctype) for path, (name, ctype) in STATIC.items()}
+        # The last /ui/data answer: several open pages share one computation per REUSE_SECONDS.
+        self._body: bytes | None = None
+        self._body_at = 0.0
 
     def routes(self) -> dict[tuple[str, str], Handler]:
         table: dict[tuple[str, str], Handler] = {("GET", path): self._static for path in STATIC}
@@ -70,7 +75,7 @@ class UIRoutes:
         extra: RawHeaders = []
         if path == "/ui":
             if not self.authorized(scope):
-                await _plain(send, 401, b"/ui needs the metrics token: open /ui?token=<token> (see docs/ui.md)")
+                await _plain(send, 401, b"/ui needs the metrics token: open /ui?token=<token> (docs/ui.md)")
                 return
             extra = [(b"content-security-policy", _CSP)]
         headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode()), *_COMMON, *extra]
@@ -96,8 +101,10 @@ class UIRoutes:
                 [(b"www-authenticate", b"Bearer")],
             )
             return
-        body = orjson.dumps(self.observer.snapshot())
-        await send_json(send, 200, body, list(_COMMON))
+        now = time.monotonic()
+        if self._body is None or now - self._body_at >= REUSE_SECONDS:
+            self._body, self._body_at = orjson.dumps(self.observer.snapshot()), now
+        await send_json(send, 200, self._body, list(_COMMON))
 
 
 async def _plain(send: Send, status: int, text: bytes) -> None:

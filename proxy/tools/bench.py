@@ -1,0 +1,406 @@
+"""`infertap bench`: infertap's overhead, measured against a direct connection in the same run.
+
+It starts a fast local OpenAI-compatible upstream (proxy/tools/bench_upstream.py) and infertap in
+front of it, then drives both with a cheap load generator (proxy/tools/bench_client.py): the
+upstream and the load generator share core 0, infertap has core 1 to itself, so what infertap
+adds is not blurred by the harness fighting it for a core. Direct and proxied runs alternate
+within each scenario, so drift on the machine hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from proxy import __version__
+from proxy.tools.bench_client import Job
+from proxy.tools.bench_procs import (
+    BenchError,
+    Infertap,
+    LoadGenerator,
+    Upstream,
+    affinity,
+    cpu_seconds,
+    open_files_limit,
+    reset_peak_rss,
+    status_mb,
+)
+from proxy.tools.bench_report import DIRECT, Acc, make_row, render, targets
+from proxy.tools.bench_upstream import raise_nofile
+
+PROXY, TRACED, WORKERS = "infertap", "infertap+tracing", "infertap --workers 2"
+# The traced infertap exports spans every TRACE_FLUSH_S (OTEL_BSP_SCHEDULE_DELAY; the SDK's default
+# is 5 s) so that the bench can wait for a run's spans to leave before it reads the CPU time.
+TRACE_FLUSH_S = 0.5
+
+
+@dataclass(frozen=True)
+class Phase:
+    label: str
+    stream: bool
+    concurrency: int
+    count: int  # requests per target, over all rounds
+    ttft_ms: float = 0.0
+    itl_ms: float = 0.0
+    tokens: int = 100
+    hold: bool = False  # sample infertap's RSS while every stream of the phase is open
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    targets: tuple[str, ...]
+    phases: tuple[Phase, ...]
+    rounds: int = 2
+
+
+def scenarios(quick: bool) -> list[Scenario]:
+    def n(full: int, small: int) -> int:
+        return small if quick else full
+
+    def realistic(c: int, count: int) -> Phase:  # a real engine's pace: TTFT 50 ms, 10 ms per token
+        return Phase(f"c={c}", True, c, count, ttft_ms=50.0, itl_ms=10.0, tokens=n(100, 10))
+
+    zero_delay = Phase("stream c=64", True, 64, n(3000, 64))
+    held = n(1000, 100)  # idle-ish: a long TTFT keeps them all open at once, then a few tokens
+    memory = Phase(f"{held} held", True, held, held, ttft_ms=n(5000, 1000), itl_ms=10.0, tokens=5, hold=True)
+    return [
+        Scenario(
+            "overhead",
+            "sequential zero-delay 100-token streams: per-request overhead",
+            (DIRECT, PROXY),
+            (Phase("c=1", True, 1, n(300, 20)),),
+            rounds=n(3, 1),
+        ),
+        Scenario(
+            "realistic",
+            "TTFT 50 ms, tokens 10 ms apart: added TTFT and inter-token gaps",
+            (DIRECT, PROXY),
+            (realistic(1, n(10, 2)), realistic(16, n(32, 16)), realistic(64, n(128, 64))),
+            rounds=n(2, 1),
+        ),
+        Scenario(
+            "throughput",
+            "zero-delay streams and non-streaming requests at c=64",
+            (DIRECT, PROXY),
+            (zero_delay, Phase("non-stream c=64", False, 64, n(5000, 128))),
+            rounds=n(2, 1),
+        ),
+        Scenario(
+            "memory",
+            f"{held} concurrent idle-ish streams held at once: infertap's RSS",
+            (PROXY,),
+            (memory,),
+            rounds=1,
+        ),
+        Scenario(
+            "tracing",
+            "the zero-delay streams with OpenTelemetry tracing on (spans to the bench upstream)",
+            (DIRECT, PROXY, TRACED),
+            (zero_delay,),
+            rounds=n(2, 1),
+        ),
+        Scenario(
+            "workers",
+            "the zero-delay streams with --workers 2",
+            (DIRECT, PROXY, WORKERS),
+            (zero_delay,),
+            rounds=n(2, 1),
+        ),
+    ]
+
+
+_T0 = time.perf_counter()
+
+
+def _log(msg: str) -> None:
+    print(f"[bench {time.perf_counter() - _T0:5.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+class Bench:
+    def __init__(self, quick: bool, nofile: int | None = None) -> None:
+        self.quick = quick
+        self.nofile = nofile  # the soft open-file limit infertap starts with, as a user's would
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        # Core 0: upstream + load generator; core 1: infertap. One core: nothing to separate.
+        self.harness_cpu: int | None = cpus[0] if len(cpus) >= 2 else None
+        self.proxy_cpu: int | None = cpus[1] if len(cpus) >= 2 else None
+        self.notes: list[str] = []
+        if self.proxy_cpu is None:
+            self.notes.append(
+                f"not pinned: {len(cpus) or 'unknown'} usable core(s); harness and infertap share"
+            )
+        self.upstream: Upstream | None = None
+        self.loadgen: LoadGenerator | None = None
+        self.proxies: dict[str, Infertap] = {}
+
+    # --- processes ---
+
+    def start(self, needed: set[str]) -> None:
+        _log("starting the bench upstream and the load generator")
+        self.upstream = Upstream(self.harness_cpu)
+        self.loadgen = LoadGenerator(self.harness_cpu)
+        url = self.upstream.url
+        for name in sorted(needed - {DIRECT}):
+            _log(f"starting {name}")
+            if name == TRACED:
+                flush_ms = int(TRACE_FLUSH_S * 1000)
+                proxy = Infertap(
+                    name, url, self.proxy_cpu, tracing_to=url, flush_ms=flush_ms, nofile=self.nofile
+                )
+            elif name == WORKERS:
+                proxy = Infertap(name, url, None, workers=2, nofile=self.nofile)
+            else:
+                proxy = Infertap(name, url, self.proxy_cpu, nofile=self.nofile)
+            self.proxies[name] = proxy
+        # Started together, waited for together: start-up is import-bound, the waits overlap.
+        for p in self.proxies.values():
+            p.wait_ready()
+        if self.proxy_cpu is not None and any(
+            affinity(p.proc.pid) != {self.proxy_cpu} for name, p in self.proxies.items() if name != WORKERS
+        ):
+            self.notes.append("could not pin infertap to its core (sched_setaffinity failed)")
+
+    def close(self) -> None:
+        # The load generator first: once its connections are gone, infertap shuts down at once
+        # instead of waiting out its graceful-shutdown period for open streams.
+        if self.loadgen is not None:
+            self.loadgen.close()
+        for p in self.proxies.values():
+            p.close()
+        if self.upstream is not None:
+            self.upstream.close()
+
+    def _port(self, target: str) -> int:
+        assert self.upstream is not None
+        return self.upstream.port if target == DIRECT else self.proxies[target].port
+
+    # --- measuring ---
+
+    def _job(self, phase: Phase, target: str, count: int, warmup: bool = False) -> Job:
+        if warmup:  # zero delays, short: opens connections and warms caches without taking long
+            c = min(phase.concurrency, 16 if self.quick else 64)
+            return Job("127.0.0.1", self._port(target), phase.stream, c, 2 * c, tokens=10, timeout_s=30)
+        budget = (phase.ttft_ms + phase.itl_ms * phase.tokens) / 1000
+        return Job(
+            "127.0.0.1", self._port(target), phase.stream, phase.concurrency, count,
+            phase.ttft_ms, phase.itl_ms, phase.tokens, timeout_s=budget + 60,
+        )  # fmt: skip
+
+    def _run(self, job: Job, phase: Phase, target: str, acc: Acc | None) -> None:
+        assert self.loadgen is not None and self.upstream is not None
+        proxy = self.proxies.get(target)
+        pids = proxy.refresh_pids() if proxy else []
+        cpu0 = cpu_seconds(pids)
+        self.loadgen.start(job)
+        if phase.hold and acc is not None and proxy is not None:
+            acc.extra.update(self._held(phase, pids))
+        result = self.loadgen.result(job.timeout_s * max(1, job.count // job.concurrency) + 60)
+        if target == TRACED:
+            self._settle_traces()
+        cpu1 = cpu_seconds(pids)
+        if acc is not None:
+            acc.add(result, cpu1 - cpu0 if proxy else None)
+
+    def _nofile_note(self, target: str, streams: int) -> str:
+        """infertap started with the soft open-file limit the bench was given: did it raise it?"""
+        limit = open_files_limit(self.proxies[target].proc.pid)
+        if limit is None or self.nofile is None:
+            return f"{target}: open-file limit unknown"
+        if limit > self.nofile:
+            said = f"infertap raised its open-file limit itself, from {self.nofile} to {limit}"
+        elif limit == resource.getrlimit(resource.RLIMIT_NOFILE)[1]:
+            said = f"infertap's open-file limit is {limit}, the hard limit already"
+        else:
+            said = f"infertap kept the soft open-file limit of {limit}: it does not raise it"
+        if limit < 2 * streams + 100:  # a client and an upstream socket per stream, plus slack
+            said += f"; too few for {streams} streams (raise `ulimit -n`)"
+        return f"{target}: {said}"
+
+    def _settle_traces(self) -> None:
+        """Wait until the batch span processor has exported the run's spans: that export is part of
+        what tracing costs, so it belongs to this run's CPU time, not the next one's."""
+        assert self.upstream is not None
+        seen = self.upstream.stats()["trace_bytes"]
+        for _ in range(20):
+            time.sleep(2 * TRACE_FLUSH_S)
+            now = self.upstream.stats()["trace_bytes"]
+            if now == seen:
+                return
+            seen = now
+
+    def _held(self, phase: Phase, pids: list[int]) -> dict[str, Any]:
+        """Until the load generator is done: how many streams the upstream holds open at once, and
+        infertap's RSS at the moment it held the most (the first streams may end before the last
+        arrive on a slow machine, so the peak is tracked rather than waited for)."""
+        assert self.upstream is not None and self.loadgen is not None
+        most, rss = 0, 0.0
+        while not self.loadgen.ready(0.05):
+            now_open = self.upstream.stats()["open_streams"]
+            if now_open > most:
+                most, rss = now_open, status_mb(pids, "VmRSS")
+            elif now_open == most and most:
+                rss = max(rss, status_mb(pids, "VmRSS"))
+        return {"held_streams": most, "held_rss_mb": rss}
+
+    def scenario(self, sc: Scenario) -> dict[str, Any]:
+        rows: list[dict[str, Any]] = []
+        notes: list[str] = []
+        for p in (self.proxies[t] for t in sc.targets if t != DIRECT):
+            if not reset_peak_rss(p.refresh_pids()):
+                notes.append(f"{p.label}: peak RSS is since start (clear_refs not writable)")
+        for phase in sc.phases:
+            accs = {t: Acc() for t in sc.targets}
+            _log(f"{sc.name} {phase.label}: warming up")
+            for t in sc.targets:
+                self._run(self._job(phase, t, 0, warmup=True), phase, t, None)
+            for r in range(sc.rounds):
+                share = phase.count // sc.rounds + (phase.count % sc.rounds if r == sc.rounds - 1 else 0)
+                order = sc.targets if r % 2 == 0 else tuple(reversed(sc.targets))
+                for t in order:
+                    _log(f"{sc.name} {phase.label}: {t}, round {r + 1}/{sc.rounds}, {share} requests")
+                    self._run(self._job(phase, t, share), phase, t, accs[t])
+            direct = None
+            for t in sc.targets:
+                if phase.hold and t in self.proxies:
+                    notes.append(self._nofile_note(t, phase.concurrency))
+                held = accs[t].extra.get("held_streams")
+                if held is not None and held < phase.concurrency:
+                    notes.append(
+                        f"{t}: at most {held} of {phase.concurrency} streams were open at once (infertap "
+                        "was slow to admit them): the held RSS is for that many"
+                    )
+                proxy = self.proxies.get(t)
+                if proxy is not None:
+                    pids = proxy.refresh_pids()
+                    accs[t].extra.update(
+                        rss_mb=status_mb(pids, "VmRSS"),
+                        peak_rss_mb=status_mb(pids, "VmHWM"),
+                        pinned=proxy.pinned,
+                    )
+                row = make_row(sc.name, phase.label, t, accs[t], direct)
+                if t == DIRECT:
+                    direct = row
+                rows.append(row)
+        if TRACED in sc.targets:
+            assert self.upstream is not None
+            stats = self.upstream.stats()
+            notes.append(f"OTLP sink received {stats['trace_posts']} exports, {stats['trace_bytes']} bytes")
+            if not stats["trace_posts"]:
+                notes.append("tracing: no spans arrived at the sink; is the OTLP exporter installed?")
+        if WORKERS in sc.targets:
+            notes.append("--workers 2 is not pinned: its workers share both cores with the harness")
+        return {"title": sc.title, "rows": rows, "notes": notes}
+
+
+def _machine(bench: Bench, nofile: tuple[int, int]) -> dict[str, Any]:
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    proxy = bench.proxies.get(PROXY) or next(iter(bench.proxies.values()), None)
+    if bench.harness_cpu is not None and bench.upstream and bench.loadgen:
+        # Checked, not assumed: the harness processes pin themselves and say nothing when they cannot.
+        for what, pid in (("upstream", bench.upstream.proc.pid), ("load generator", bench.loadgen.proc.pid)):
+            if affinity(pid) != {bench.harness_cpu}:
+                bench.notes.append(f"the bench {what} is not pinned to CPU {bench.harness_cpu}")
+    return {
+        "cpu_model": model,
+        "cpus": os.cpu_count(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "infertap": __version__,
+        "harness_cpu": bench.harness_cpu,
+        "proxy_cpu": bench.proxy_cpu,
+        "nofile_soft_before": nofile[0],
+        "nofile_soft_now": nofile[1],
+        "infertap_nofile": open_files_limit(proxy.proc.pid) if proxy else None,
+        "notes": bench.notes,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    names = [s.name for s in scenarios(False)]
+    listing = "\n".join(f"  {s.name:<11} {s.title}" for s in scenarios(False))
+    p = argparse.ArgumentParser(
+        prog="infertap bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"scenarios:\n{listing}\n\nexamples:\n  infertap bench\n  infertap bench --quick\n"
+        "  infertap bench --scenario throughput --json bench.json\n  infertap bench --markdown\n\n"
+        "Exit status: 0 when every request succeeded (targets missed or not), 1 when some failed,\n"
+        "2 when the bench could not run. See docs/benchmarks.md.",
+    )
+    p.add_argument("--scenario", action="append", choices=names, help="run only this one (repeatable)")
+    p.add_argument("--quick", action="store_true", help="smoke mode: tiny counts, under 30 s (CI)")
+    p.add_argument("--json", metavar="FILE", help="write every number to FILE")
+    p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
+    return p
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if not os.path.exists("/proc/self/stat"):
+        print("infertap bench: needs Linux /proc to read infertap's CPU time and memory", file=sys.stderr)
+        return 2
+    chosen = [s for s in scenarios(args.quick) if not args.scenario or s.name in args.scenario]
+    # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the processes the bench started stop too.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupted)
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    # 1,000 held streams are ~2,000 sockets in the load generator and the upstream too; they
+    # inherit this raised limit (and raise their own). infertap starts with the limit as it was.
+    now = raise_nofile()
+    bench = Bench(args.quick, nofile=before)
+    started = time.perf_counter()
+    try:
+        bench.start({t for s in chosen for t in s.targets})
+        results = {s.name: bench.scenario(s) for s in chosen}
+        machine = _machine(bench, (before, now))
+    except BenchError as e:
+        print(f"infertap bench: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        bench.close()
+    checks = [
+        t.judge({(r["phase"], r["target"]): r for r in results[t.scenario]["rows"]})
+        for t in targets()
+        if t.scenario in results
+    ]
+    report = {
+        "quick": args.quick,
+        "duration_s": round(time.perf_counter() - started, 1),
+        "machine": machine,
+        "scenarios": results,
+        "checks": checks,
+    }
+    print(render(report, args.markdown))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        _log(f"wrote {args.json}")
+    failed = sum(r["errors"] for sc in results.values() for r in sc["rows"])
+    if failed:
+        print(
+            f"infertap bench: {failed} request(s) failed; the error kinds are in the tables' rows",
+            file=sys.stderr,
+        )
+    return 1 if failed else 0

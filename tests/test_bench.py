@@ -1,0 +1,111 @@
+"""`infertap bench`: the harness parses what it must, and a --quick run yields every scenario's numbers.
+
+No timing thresholds: the shared CI machine says nothing about infertap's speed. The targets'
+verdicts are the bench's business; here only that every number is there and sane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.tools import bench_upstream as up
+from proxy.tools.bench import scenarios
+from proxy.tools.bench_client import ClientConnection, Job, _check
+from proxy.tools.bench_report import targets
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.written = b""
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("step", [1, 7, 10_000])
+def test_client_counts_content_events_however_the_bytes_are_split(step: int) -> None:
+    tokens = 3
+    response = up.SSE_HEAD + up.ROLE + b"".join(up.CONTENT[:tokens]) + up.FINISH + up.DONE
+
+    async def go() -> None:
+        conn = ClientConnection()
+        conn.connection_made(_Transport())  # type: ignore[arg-type]
+        waiter = conn.request(b"GET / HTTP/1.1\r\n\r\n")
+        for i in range(0, len(response), step):
+            conn.data_received(response[i : i + step])
+        out = await waiter
+        assert out.status == 200 and out.done
+        assert len(out.times) == tokens  # the role chunk's empty content is not a token
+        assert _check(Job("127.0.0.1", 1, True, 1, 1, tokens=tokens), out) is None
+
+    asyncio.run(go())
+
+
+def test_client_reads_a_chunked_json_answer() -> None:
+    body = b'{"choices":[{"index":0}]}'
+    response = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+    response += b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+
+    async def go() -> None:
+        conn = ClientConnection()
+        conn.connection_made(_Transport())  # type: ignore[arg-type]
+        waiter = conn.request(b"")
+        conn.data_received(response)
+        out = await waiter
+        assert out.body == body
+        assert _check(Job("127.0.0.1", 1, False, 1, 1), out) is None
+
+    asyncio.run(go())
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads CPU and RSS from /proc")
+def test_quick_bench_reports_every_scenario(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "proxy", "bench", "--quick", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    report: dict[str, Any] = json.loads(out.read_text())
+    assert set(report["scenarios"]) == {s.name for s in scenarios(quick=True)}
+    for name, sc in report["scenarios"].items():
+        assert sc["rows"], name
+        for row in sc["rows"]:
+            where = f"{name} {row['phase']} {row['target']}"
+            assert row["requests"] > 0 and row["ok"] == row["requests"], where
+            assert row["errors"] == 0, (where, row["error_kinds"])
+            assert row["requests_per_s"] > 0 and row["tokens_per_s"] > 0, where
+            assert row["e2e_ms"]["p50"] > 0, where
+            if row["phase"].startswith("non-stream"):
+                assert row["ttft_ms"] is None, where
+            else:
+                assert 0 < row["ttft_ms"]["p50"] <= row["ttft_ms"]["p99"], where
+            if row["target"] != "direct":
+                assert row["cpu_ms_per_request"] is not None and row["cpu_ms_per_request"] >= 0, where
+                assert row["rss_mb"] > 0 and row["peak_rss_mb"] > 0, where
+                if "requests_per_s_ratio" in row:
+                    assert row["requests_per_s_ratio"] > 0 and row["tokens_per_s_ratio"] > 0, where
+    held = report["scenarios"]["memory"]["rows"][0]
+    assert held["held_streams"] > 0 and held["held_rss_mb"] > 0
+    # Every target is judged, each with a number (PASS or MISS: not this test's business).
+    assert [c["name"] for c in report["checks"]] == [t.name for t in targets()]
+    assert all(c["value"] is not None and c["pass"] in (True, False) for c in report["checks"]), report[
+        "checks"
+    ]
+    assert "== throughput" in proc.stdout
+    assert "PASS" in proc.stdout or "MISS" in proc.stdout
