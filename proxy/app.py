@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 
 from proxy import __version__
@@ -25,7 +25,6 @@ from proxy.forward import Forwarder
 from proxy.loops import LoopDetector
 from proxy.metrics import CollectorRegistry, Metrics
 from proxy.observer import Observer, ObserverSet
-from proxy.request import display_url
 from proxy.settings import Settings
 from proxy.tracing import build_tracing
 from proxy.ui import UIObserver, UIRoutes
@@ -39,12 +38,18 @@ PROXIED: dict[str, tuple[str, str]] = {
     "/v1/completions": ("completions", "POST"),
     "/v1/embeddings": ("embeddings", "POST"),
 }
-_PROBE_TIMEOUT = httpx.Timeout(3.0)
+_PROBE_TIMEOUT = aiohttp.ClientTimeout(total=3.0)
+
+
+@dataclass(slots=True)
+class _Probe:
+    status: int
+    body: bytes
 
 
 @dataclass(slots=True)
 class _Runtime:
-    client: httpx.AsyncClient
+    client: aiohttp.ClientSession
     router: Router
     forwarder: Forwarder
 
@@ -75,7 +80,7 @@ class InfertapApp:
     # -- lifespan ---------------------------------------------------------------------------
     async def startup(self) -> None:
         router = Router.from_settings(self.settings)
-        client = make_client(self.settings.timeouts)
+        client = make_client()
         forwarder = Forwarder(
             router,
             client,
@@ -93,13 +98,11 @@ class InfertapApp:
             )
             models = ", ".join(up.models) if up.models else "(no patterns)"
             default = " [default]" if up is router.default else ""
-            log.info(
-                "upstream %s%s: %s, models %s, %s", up.name, default, display_url(up.base_url), models, key
-            )
+            log.info("upstream %s%s: %s, models %s, %s", up.name, default, up.display_url, models, key)
 
     async def shutdown(self) -> None:
         if self._runtime is not None:
-            await self._runtime.client.aclose()
+            await self._runtime.client.close()
             self._runtime = None
         self.observers.close()
 
@@ -212,15 +215,18 @@ class InfertapApp:
         )
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
-    async def _probe(self, up: Upstream) -> tuple[Upstream, httpx.Response | Exception]:
+    async def _probe(self, up: Upstream) -> tuple[Upstream, _Probe | Exception]:
+        """GET the upstream's model list: (status, body), or why it could not be had."""
         headers = dict(up.headers)
         if up.api_key:
             headers["authorization"] = f"Bearer {up.api_key}"
         try:
-            resp = await self.runtime.client.get(up.url("/models"), headers=headers, timeout=_PROBE_TIMEOUT)
-        except httpx.HTTPError as e:
+            async with self.runtime.client.get(
+                up.url("/models"), headers=headers, timeout=_PROBE_TIMEOUT
+            ) as r:
+                return up, _Probe(r.status, await r.read())
+        except (aiohttp.ClientError, TimeoutError) as e:
             return up, e
-        return up, resp
 
     async def _readyz(self, scope: Scope, receive: Receive, send: Send) -> None:
         results = await asyncio.gather(*(self._probe(u) for u in self.runtime.router.upstreams))
@@ -229,7 +235,7 @@ class InfertapApp:
             report[up.name] = (
                 f"unreachable: {describe(res)}"
                 if isinstance(res, Exception)
-                else (f"reachable (HTTP {res.status_code})")
+                else (f"reachable (HTTP {res.status})")
             )
         ready = any(not isinstance(res, Exception) for _, res in results)
         body = {"status": "ready" if ready else "not ready", "upstreams": report}
@@ -240,13 +246,13 @@ class InfertapApp:
         data: list[dict[str, Any]] = []
         failures: list[str] = []
         for up, res in results:
-            if isinstance(res, Exception) or res.status_code != 200:
-                why = describe(res) if isinstance(res, Exception) else f"HTTP {res.status_code}"
+            if isinstance(res, Exception) or res.status != 200:
+                why = describe(res) if isinstance(res, Exception) else f"HTTP {res.status}"
                 failures.append(f"{up.name}: {why}")
                 continue
             try:
-                listed = res.json().get("data", [])
-            except (ValueError, AttributeError):
+                listed = orjson.loads(res.body).get("data", [])
+            except (orjson.JSONDecodeError, AttributeError):
                 failures.append(f"{up.name}: not an OpenAI model list")
                 continue
             for model in listed:

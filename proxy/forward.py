@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 
 from proxy.asgi import BodyTooLarge, ClientGone, RawHeaders, Receive, Scope, Send, read_body, send_error
@@ -27,11 +27,10 @@ from proxy.request import (
     DROP_REQUEST,
     GENERATION_ROUTES,
     JSON_ROUTES,
+    RequestIds,
     RequestRejected,
-    display_url,
     parse_request,
     prompt_chars,
-    request_id,
     retry_after,
 )
 from proxy.sse import SSEScanner, StreamFacts, error_event
@@ -70,7 +69,7 @@ class _Call:
 class _Ready:
     """An attempt whose answer will be relayed."""
 
-    resp: httpx.Response
+    resp: aiohttp.ClientResponse
     chunks: AsyncIterator[bytes]
     scanner: SSEScanner | None = None
     pending: list[bytes] = field(default_factory=list)
@@ -92,7 +91,7 @@ class Forwarder:
     def __init__(
         self,
         router: Router,
-        client: httpx.AsyncClient,
+        client: aiohttp.ClientSession,
         observers: ObserverSet,
         max_body_bytes: int,
         prompt_class_bounds: tuple[int, ...] = (1024, 4096, 16384),
@@ -105,12 +104,13 @@ class Forwarder:
         self.prompt_class_bounds = prompt_class_bounds
         self.max_concurrency = max_concurrency
         self.active = 0
+        self.request_id = RequestIds()
         # Upstreams that answered 400 to stream_options: infertap stops injecting it there.
         self.no_stream_options: set[str] = set()
 
     # -- request intake ---------------------------------------------------------------------
     async def handle(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
-        ex = Exchange(request_id(scope), route, scope["method"], scope["path"])
+        ex = Exchange(self.request_id(scope), route, scope["method"], scope["path"])
         for key, value in scope["headers"]:
             if key == b"traceparent" or key == b"tracestate":
                 ex.trace_context[key.decode()] = value.decode("latin-1")
@@ -151,7 +151,7 @@ class Forwarder:
             }
         upstream = self.router.route(ex.model)
         ex.upstream = upstream.name
-        ex.upstream_url = display_url(upstream.base_url)
+        ex.upstream_url = upstream.display_url
         if obj is not None and ex.stream and route in GENERATION_ROUTES:
             body = self._maybe_inject_usage(ex, obj, upstream, body)
         suffix = scope["path"][3:]
@@ -293,7 +293,7 @@ class Forwarder:
                 last = i == len(plan) - 1 and attempt == policy.max_attempts
                 result = await self._attempt(call, up, last)
                 if isinstance(result, _Ready):
-                    self._health(ex, up, result.resp.status_code < 500)
+                    self._health(ex, up, result.resp.status < 500)
                     await self._commit(send, call, result, watcher)
                     return
                 failure = result
@@ -338,46 +338,48 @@ class Forwarder:
         ex, obs = call.ex, self.observers
         ex.attempts += 1
         ex.upstream = up.name
-        ex.upstream_url = display_url(up.base_url)
+        ex.upstream_url = up.display_url
         ex.upstream_headers = self._headers_for(call, up)
         ex.attempt_started_at = time.perf_counter()
         obs.attempt_started(ex)
         generation_stream = ex.stream and ex.route in GENERATION_ROUTES
-        request = self.client.build_request(
-            ex.method,
-            up.url(call.suffix),
-            headers=ex.upstream_headers,
-            content=call.body or None,
-            timeout=up.timeout,
-        )
-        resp: httpx.Response | None = None
+        resp: aiohttp.ClientResponse | None = None
         ready: _Ready | None = None
         try:
             async with asyncio.timeout(up.ttft_timeout if generation_stream else None):
-                resp = await self.client.send(request, stream=True)
-                ex.status_code = resp.status_code
+                resp = await self.client.request(
+                    ex.method,
+                    up.url(call.suffix),
+                    headers=ex.upstream_headers,
+                    data=call.body or None,
+                    timeout=up.timeout,
+                    allow_redirects=False,
+                )
+                ex.status_code = status = resp.status
                 ex.first_byte_at = time.perf_counter()
                 obs.first_byte(ex)
-                status = resp.status_code
                 if status in RETRYABLE_STATUS and not last:
                     kind = ErrorKind.UPSTREAM_429 if status == 429 else ErrorKind.UPSTREAM_5XX
                     return _Failure(
-                        kind, status, f"upstream '{up.name}' answered HTTP {status}", retry_after(resp)
+                        kind,
+                        status,
+                        f"upstream '{up.name}' answered HTTP {status}",
+                        retry_after(resp.headers.get("retry-after")),
                     )
                 if status == 400 and ex.usage_injected:
-                    content = await resp.aread()
+                    content = await resp.read()
                     if b"stream_options" in content:
                         # This upstream rejects stream_options: ask again without it, and remember.
                         self.no_stream_options.add(up.name)
                         ex.usage_injected = False
                         call.body = call.original_body
-                        await resp.aclose()
+                        resp.release()
                         resp = None
                         ex.attempts -= 1
                         return await self._attempt(call, up, last)
                     ready = _Ready(resp, _empty(), prefetched=content)
                     return ready
-                chunks = resp.aiter_raw()
+                chunks = resp.content.iter_any()
                 is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
                 if not (generation_stream and status == 200 and is_sse):
                     ready = _Ready(resp, chunks)
@@ -386,14 +388,7 @@ class Forwarder:
                     resp, chunks, ex.usage_injected, ex.capture_output_chars
                 )
                 return ready
-        except TimeoutError:
-            return _Failure(
-                ErrorKind.TTFT_TIMEOUT,
-                504,
-                f"upstream '{up.name}' ({ex.upstream_url}) sent no token within the "
-                f"ttft timeout of {up.ttft_timeout} s",
-            )
-        except httpx.HTTPError as e:
+        except aiohttp.ClientError as e:  # before TimeoutError: aiohttp's timeouts are TimeoutErrors too
             kind = classify(e)
             if kind is ErrorKind.IDLE_TIMEOUT:
                 kind = ErrorKind.TTFT_TIMEOUT  # nothing relayed yet: still waiting for the first token
@@ -404,13 +399,20 @@ class Forwarder:
                 ErrorKind.TTFT_TIMEOUT: "did not answer in time",
             }.get(kind, "failed before the first token")
             return _Failure(kind, status, f"upstream '{up.name}' ({ex.upstream_url}) {what}: {describe(e)}")
+        except TimeoutError:
+            return _Failure(
+                ErrorKind.TTFT_TIMEOUT,
+                504,
+                f"upstream '{up.name}' ({ex.upstream_url}) sent no token within the "
+                f"ttft timeout of {up.ttft_timeout} s",
+            )
         finally:
             if resp is not None and ready is None:
-                await resp.aclose()
+                resp.close()  # unread: drop the connection rather than return it to the pool
 
     @staticmethod
     async def _until_first_output(
-        resp: httpx.Response, chunks: AsyncIterator[bytes], strip: bool, capture_chars: int = 0
+        resp: aiohttp.ClientResponse, chunks: AsyncIterator[bytes], strip: bool, capture_chars: int = 0
     ) -> _Ready:
         """Reads a generation stream until its first output event (or its end), holding the bytes."""
         scanner = SSEScanner(strip_usage_only=strip, capture_chars=capture_chars)
@@ -429,14 +431,15 @@ class Forwarder:
         ex, resp = call.ex, ready.resp
         is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
         facts = StreamFacts()
-        outcome = status_outcome(resp.status_code)
+        outcome = status_outcome(resp.status)
+        read_all = False
         try:
             call.committed = True
             await send(
                 {
                     "type": "http.response.start",
-                    "status": resp.status_code,
-                    "headers": response_headers(resp.headers.raw, is_sse, call.rid),
+                    "status": resp.status,
+                    "headers": response_headers(resp.raw_headers, is_sse, call.rid),
                 }
             )
             if ready.prefetched is not None:
@@ -468,7 +471,8 @@ class Forwarder:
             else:
                 capture = ex.route in JSON_ROUTES and "json" in resp.headers.get("content-type", "")
                 facts = await relay_body(send, ready.chunks, capture, ex.capture_output_chars)
-        except httpx.HTTPError as e:
+            read_all = True
+        except aiohttp.ClientError as e:
             kind = classify(e)
             if kind not in (ErrorKind.IDLE_TIMEOUT, ErrorKind.TTFT_TIMEOUT):
                 kind = ErrorKind.READ_ERROR
@@ -487,7 +491,12 @@ class Forwarder:
             self._end(ex, Outcome(kind.value), error=msg)
             return
         finally:
-            await resp.aclose()
+            # A fully read answer returns its connection to the pool; anything else (a failure,
+            # a disconnect, a timeout) closes it, which is what stops the upstream generating.
+            if read_all:
+                resp.release()
+            else:
+                resp.close()
         take_facts(ex, facts)
         watcher.cancel()
         await send({"type": "http.response.body", "body": b"", "more_body": False})

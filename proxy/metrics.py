@@ -168,6 +168,7 @@ class Metrics(Observer):
         self.multiprocess = multiprocess_dir() is not None
         self.exemplars = m.exemplars and not self.multiprocess
         self.model_label = ModelLabels(_default_model_patterns(settings), m.max_models)
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         r = self.registry
         self.requests = Counter(
             "infertap_requests_total",
@@ -291,37 +292,46 @@ class Metrics(Observer):
                 self.timeouts.labels(up.name, phase)
 
     # -- hooks ------------------------------------------------------------------------------
+    def _c(self, metric: Any, *labels: str) -> Any:
+        """The metric's child for these label values, cached: prometheus_client's labels() takes a
+        lock and validates on every call, and the per-request hooks need about ten children."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def request_received(self, ex: Exchange) -> None:
         model = self.model_label(ex.model)
         upstream = ex.upstream or NONE
         ex.scratch["metrics"] = (model, upstream)
-        self.in_flight.labels(upstream).inc()
+        self._c(self.in_flight, upstream).inc()
 
     # ex.upstream is the upstream of the current attempt (a fallback may take over); the
     # in-flight gauge keeps the label it was raised with.
     def retry(self, ex: Exchange, reason: str, backoff: float) -> None:
         upstream = ex.upstream or NONE
-        self.attempts.labels(upstream, reason).inc()
-        self.retries.labels(upstream, reason).inc()
+        self._c(self.attempts, upstream, reason).inc()
+        self._c(self.retries, upstream, reason).inc()
         phase = TIMEOUT_PHASES.get(reason)
         if phase is not None:
-            self.timeouts.labels(upstream, phase).inc()
+            self._c(self.timeouts, upstream, phase).inc()
 
     def upstream_health(self, ex: Exchange, upstream: str, up: bool) -> None:
-        self.upstream_up.labels(upstream).set(1 if up else 0)
+        self._c(self.upstream_up, upstream).set(1 if up else 0)
 
     def first_byte(self, ex: Exchange) -> None:
         model, upstream = ex.scratch["metrics"][0], ex.upstream or NONE
         ttfb = ex.ttfb
         if ttfb is not None:
-            self.ttfb.labels(model, upstream).observe(ttfb)
+            self._c(self.ttfb, model, upstream).observe(ttfb)
 
     def first_token(self, ex: Exchange) -> None:
         model, upstream = ex.scratch["metrics"][0], ex.upstream or NONE
         ttft = ex.ttft
         if ttft is not None:
-            self.ttft.labels(model, upstream, ex.prompt_class).observe(ttft, self._exemplar(ex))
-        ex.scratch["metrics.itl"] = self.itl.labels(model, upstream)
+            self._c(self.ttft, model, upstream, ex.prompt_class).observe(ttft, self._exemplar(ex))
+        ex.scratch["metrics.itl"] = self._c(self.itl, model, upstream)
 
     def chunk(self, ex: Exchange, gap: float) -> None:
         ex.scratch["metrics.itl"].observe(gap)
@@ -340,35 +350,35 @@ class Metrics(Observer):
         upstream = ex.upstream or NONE
         outcome = ex.outcome.value if ex.outcome is not None else NONE
         stream = "true" if ex.stream else "false"
-        self.in_flight.labels(routed).dec()
-        self.requests.labels(ex.route, model, upstream, stream, outcome).inc()
+        self._c(self.in_flight, routed).dec()
+        self._c(self.requests, ex.route, model, upstream, stream, outcome).inc()
         if ex.attempts:
             result = "cancelled" if ex.outcome is Outcome.CLIENT_DISCONNECT else outcome
-            self.attempts.labels(upstream, result).inc()
+            self._c(self.attempts, upstream, result).inc()
         phase = TIMEOUT_PHASES.get(outcome)
         if phase is not None:
-            self.timeouts.labels(upstream, phase).inc()
+            self._c(self.timeouts, upstream, phase).inc()
         if ex.outcome is Outcome.REJECTED:
             return
         duration = ex.duration
         if duration is not None:
-            self.duration.labels(ex.route, model, upstream, stream).observe(duration, self._exemplar(ex))
+            self._c(self.duration, ex.route, model, upstream, stream).observe(duration, self._exemplar(ex))
         if ex.outcome is not Outcome.OK:
             return
         tpot = ex.tpot
         if tpot is not None:
-            self.tpot.labels(model, upstream).observe(tpot)
+            self._c(self.tpot, model, upstream).observe(tpot)
         prompt = ex.prompt_tokens if ex.prompt_tokens is not None else ex.estimated_prompt_tokens
         if prompt:
-            self.prompt_tokens.labels(model, upstream).inc(prompt)
-            self.req_prompt_tokens.labels(model, upstream).observe(prompt)
+            self._c(self.prompt_tokens, model, upstream).inc(prompt)
+            self._c(self.req_prompt_tokens, model, upstream).observe(prompt)
         if ex.route == "embeddings":
             return
         completion = ex.output_tokens
-        self.completion_tokens.labels(model, upstream).inc(completion)
-        self.req_completion_tokens.labels(model, upstream).observe(completion)
+        self._c(self.completion_tokens, model, upstream).inc(completion)
+        self._c(self.req_completion_tokens, model, upstream).observe(completion)
         if ex.completion_tokens is None:
-            self.estimated.labels(model, upstream).inc()
+            self._c(self.estimated, model, upstream).inc()
 
     def degenerate_response(self, ex: Exchange, score: float) -> None:
         """Called by the loop detector (proxy/loops.py) for an answer that repeats itself."""

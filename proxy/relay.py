@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import orjson
 
@@ -14,7 +14,7 @@ from proxy.request import DROP_RESPONSE, MAX_JSON_CAPTURE
 from proxy.sse import SSEScanner, StreamFacts, absorb_response
 
 
-def response_headers(raw: list[tuple[bytes, bytes]], is_sse: bool, rid: RawHeaders) -> RawHeaders:
+def response_headers(raw: Iterable[tuple[bytes, bytes]], is_sse: bool, rid: RawHeaders) -> RawHeaders:
     headers: RawHeaders = []
     for k, v in raw:
         name = k.lower()

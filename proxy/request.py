@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import email.utils
+import itertools
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import httpx
 import orjson
 
 from proxy.asgi import Scope, header
@@ -31,7 +31,7 @@ _HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
-# Never forwarded upstream: credentials (infertap adds the upstream's own) and what httpx sets.
+# Never forwarded upstream: credentials (infertap adds the upstream's own) and what the HTTP client sets.
 # traceparent/tracestate pass through, so an engine's traces join the caller's even with tracing
 # off; the tracing observer replaces them with its attempt span's context.
 DROP_REQUEST = _HOP_BY_HOP | {
@@ -60,11 +60,24 @@ def display_url(url: str) -> str:
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
-def request_id(scope: Scope) -> str:
-    given = header(scope, b"x-request-id")
-    if given and len(given) <= MAX_REQUEST_ID and given.isprintable():
-        return given
-    return str(uuid.uuid4())
+class RequestIds:
+    """UUID-shaped request ids: a random per-process prefix and a counter.
+
+    Unique across processes (the prefix) and within one (the counter), and an order of magnitude
+    cheaper than uuid4() per request. UUID-shaped because some engines (llama-cpp-python's
+    server) reject an X-Request-Id that does not parse as a UUID.
+    """
+
+    def __init__(self) -> None:
+        prefix = uuid.uuid4().hex
+        self._prefix = f"{prefix[:8]}-{prefix[8:12]}-4{prefix[13:16]}-{prefix[16:20]}-"
+        self._next = itertools.count(int(prefix[20:], 16) & 0xFFFFFFFF).__next__
+
+    def __call__(self, scope: Scope) -> str:
+        given = header(scope, b"x-request-id")
+        if given and len(given) <= MAX_REQUEST_ID and given.isprintable():
+            return given
+        return f"{self._prefix}{self._next() & 0xFFFFFFFFFFFF:012x}"
 
 
 def prompt_chars(obj: dict[str, Any]) -> int:
@@ -89,8 +102,8 @@ def prompt_chars(obj: dict[str, Any]) -> int:
     return total
 
 
-def retry_after(resp: httpx.Response) -> float | None:
-    value = resp.headers.get("retry-after")
+def retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header: delta-seconds or an HTTP date."""
     if not value:
         return None
     try:

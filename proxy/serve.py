@@ -158,6 +158,9 @@ def run(settings: Settings) -> None:
         loop="uvloop",
         http="httptools",
         server_header=False,
+        # No X-Forwarded-* rewriting: infertap does not use the client address, and the middleware
+        # is one more layer on every request.
+        proxy_headers=False,
         timeout_graceful_shutdown=5,
     )
     if s.workers == 1:
@@ -189,8 +192,6 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=(args.log_level or "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    # httpx logs every request at INFO: the access log already says it, once, without URLs' noise.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         settings = resolve_settings(args)
         if settings.upstreams:

@@ -7,9 +7,10 @@ import random
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-import httpx
+import aiohttp
 
-from proxy.settings import RetrySettings, Settings, TimeoutSettings, UpstreamSettings
+from proxy.request import display_url
+from proxy.settings import RetrySettings, Settings, UpstreamSettings
 
 
 class ErrorKind(StrEnum):
@@ -25,30 +26,28 @@ class ErrorKind(StrEnum):
     UPSTREAM_5XX = "upstream_error"
 
 
-# Most specific first: httpx's exception classes form a hierarchy.
-_EXCEPTION_KINDS: tuple[tuple[type[Exception], ErrorKind], ...] = (
-    (httpx.ConnectTimeout, ErrorKind.CONNECT_TIMEOUT),
-    (httpx.PoolTimeout, ErrorKind.CONNECT_TIMEOUT),
-    (httpx.ReadTimeout, ErrorKind.IDLE_TIMEOUT),
-    (httpx.WriteTimeout, ErrorKind.IDLE_TIMEOUT),
-    (httpx.ConnectError, ErrorKind.CONNECT_ERROR),
-    (httpx.RemoteProtocolError, ErrorKind.READ_ERROR),
-    (httpx.ReadError, ErrorKind.READ_ERROR),
-    (httpx.WriteError, ErrorKind.CONNECT_ERROR),
-    (httpx.ProtocolError, ErrorKind.UPSTREAM_5XX),
-    (httpx.TimeoutException, ErrorKind.IDLE_TIMEOUT),
-    (httpx.TransportError, ErrorKind.CONNECT_ERROR),
+# Most specific first: aiohttp's exception classes form a hierarchy (its timeouts are also
+# TimeoutErrors, so they must be told apart from infertap's own deadlines before those are).
+_EXCEPTION_KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
+    (aiohttp.ConnectionTimeoutError, ErrorKind.CONNECT_TIMEOUT),
+    (aiohttp.SocketTimeoutError, ErrorKind.IDLE_TIMEOUT),
+    (aiohttp.ServerTimeoutError, ErrorKind.IDLE_TIMEOUT),
+    (aiohttp.ClientConnectorError, ErrorKind.CONNECT_ERROR),
+    (aiohttp.ServerDisconnectedError, ErrorKind.READ_ERROR),
+    (aiohttp.ClientPayloadError, ErrorKind.READ_ERROR),
+    (aiohttp.ClientResponseError, ErrorKind.UPSTREAM_5XX),
+    (aiohttp.ClientConnectionError, ErrorKind.READ_ERROR),
 )
 
 
-def classify(exc: Exception) -> ErrorKind:
+def classify(exc: BaseException) -> ErrorKind:
     for exc_type, kind in _EXCEPTION_KINDS:
         if isinstance(exc, exc_type):
             return kind
     return ErrorKind.UPSTREAM_5XX
 
 
-def describe(exc: Exception) -> str:
+def describe(exc: BaseException) -> str:
     """A short, key-free description of a transport failure."""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -124,12 +123,16 @@ class Upstream:
     headers: dict[str, str]
     api_key_env: str | None
     api_key: str | None = field(repr=False)
-    timeout: httpx.Timeout
+    timeout: aiohttp.ClientTimeout
     ttft_timeout: float
     total_timeout: float | None
     retry: RetryPolicy
     breaker: Breaker
     fallback: list[str] = field(default_factory=list)
+    display_url: str = ""  # base_url without user info or query: safe for logs and errors
+
+    def __post_init__(self) -> None:
+        self.display_url = display_url(self.base_url)
 
     @classmethod
     def from_settings(cls, s: UpstreamSettings, settings: Settings) -> Upstream:
@@ -141,7 +144,9 @@ class Upstream:
             dict(s.headers),
             s.api_key_env,
             s.api_key(),
-            httpx.Timeout(connect=t.connect, read=t.idle, write=t.write, pool=t.pool),
+            aiohttp.ClientTimeout(
+                total=None, connect=t.connect + t.pool, sock_connect=t.connect, sock_read=t.idle
+            ),
             t.ttft,
             t.total,
             RetryPolicy.from_settings(s.effective_retry(settings.retry)),
@@ -164,6 +169,7 @@ class Router:
         self.upstreams = upstreams
         self.default = default
         self._by_name = {u.name: u for u in upstreams}
+        self._plans = {u.name: [u, *(self._by_name[f] for f in u.fallback)] for u in upstreams}
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Router:
@@ -182,25 +188,33 @@ class Router:
 
     def plan(self, first: Upstream) -> list[Upstream]:
         """The routed upstream, then its fallbacks, in order."""
-        return [first, *(self._by_name[name] for name in first.fallback)]
+        return self._plans[first.name]
 
     def by_name(self, name: str) -> Upstream | None:
         return self._by_name.get(name)
 
 
-def make_client(timeouts: TimeoutSettings, max_connections: int = 1000) -> httpx.AsyncClient:
-    """One pooled client for all upstreams; no env proxies (a stray HTTP_PROXY would buffer streams).
+def make_client(max_connections: int = 1000) -> aiohttp.ClientSession:
+    """One pooled client for all upstreams. Must be created inside the running event loop.
 
-    Each request passes its upstream's own timeouts; these are the defaults for anything else.
+    aiohttp rather than httpx for the upstream side: its C parser and stream reader cost a
+    fraction of httpx's per chunk, and its pool does not scan every connection on each request
+    (httpcore's does, which dominated infertap's CPU at high concurrency; docs/benchmarks.md).
+    No environment proxies (a stray HTTP_PROXY would buffer streams), no cookies, no
+    decompression (bytes are relayed unchanged), no redirects.
     """
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(
-            connect=timeouts.connect, read=timeouts.idle, write=timeouts.write, pool=timeouts.pool
-        ),
+    connector = aiohttp.TCPConnector(
+        limit=max_connections,
+        limit_per_host=0,
         # Expire idle connections before a typical server's 5 s keep-alive closes them under us.
-        limits=httpx.Limits(
-            max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=4.0
-        ),
+        keepalive_timeout=4.0,
+        ttl_dns_cache=300,
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None),
         trust_env=False,
-        follow_redirects=False,
+        auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        skip_auto_headers=("User-Agent",),
     )
