@@ -5,11 +5,18 @@ from __future__ import annotations
 import json
 import random
 import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
+import httpx
 import pytest
 
+from proxy.sim import create_sim_app
+from proxy.sim.config import sim_config_from_dict
 from proxy.tools import compare
 from proxy.tools.stats import RatioCI, bootstrap_ratio_ci, percentile, summarize
+from tests.conftest import serve_in_thread
 from tests.test_probe import closed_port, engine
 
 # Each request's TTFT and TPOT vary by +-30% (as real ones do), so the CI has honest width.
@@ -60,6 +67,76 @@ def test_two_identical_targets_show_no_clear_difference(capsys: pytest.CaptureFi
     verdicts = out.split("verdict:")[1]
     assert "TPOT: no clear difference (B/A " in verdicts
     assert "TTFT: no clear difference (B/A " in verdicts
+
+
+# -- acceptance, issue 7: the seed's KV-cache experiment on the simulated engine ----------------
+
+# Small timing constants (a decode step ~3 ms), so a whole comparison takes a few seconds. With
+# the KV cache off every decode step also pays 0.006 ms per token of context of each decoding
+# sequence, which the long prompts below make plain (~2.5 ms more per step at 400 tokens).
+SIM_TIMING = {
+    "prefill_base_ms": 1.0,
+    "prefill_ms_per_token": 0.01,
+    "decode_step_ms": 3.0,
+    "decode_ms_per_running_seq": 0.1,
+    "no_kv_cache_ms_per_context_token": 0.006,
+    "default_output_tokens": 16,
+    "seed": 5,
+}
+SIM_REQUESTS = 12
+# One distinct prompt per request (so no request hits the prefix cache of the one before), of
+# 400 to 1000 tokens. With chunked prefill (128 tokens a step), a request that finished its
+# prefill early decodes alongside the others' prefill chunks: TPOT differs from request to
+# request by its place in the round, the same way on both sides. That spread gives the A/A
+# interval an honest width.
+SIM_PROMPTS = [f"request {i}: " + "word " * (400 + 200 * (i % 4)) for i in range(SIM_REQUESTS)]
+
+
+@contextmanager
+def sim_engine(kv_cache: bool) -> Iterator[str]:
+    """The simulated engine (KV cache on or off) on 127.0.0.1; yields its base URL (ending in /v1)."""
+    config = sim_config_from_dict(
+        {"sim": SIM_TIMING, "kv_cache": {"enable": kv_cache}, "prefill": {"max_prefill_tokens": 128}}
+    )
+    with serve_in_thread(create_sim_app(config)) as url:
+        base = url + "/v1"
+        # Warm-up: the first stream of the process pays one-off lazy imports; keep it out of A.
+        hi = {"model": "m", "stream": True, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+        httpx.post(f"{base}/chat/completions", json=hi).raise_for_status()
+        yield base
+
+
+def sim_compare(capsys: pytest.CaptureFixture[str], url_a: str, url_b: str) -> dict[str, Any]:
+    prompts = [arg for p in SIM_PROMPTS for arg in ("--prompt", p)]
+    code, out, err = run_compare(
+        capsys, "--a", url_a, "--b", url_b, "--model", "sim-model", "-n", str(SIM_REQUESTS), "-c", "4",
+        "--max-tokens", "16", "--json", *prompts,
+    )  # fmt: skip
+    assert code == 0, err
+    report: dict[str, Any] = json.loads(out)
+    assert report["a"]["ok"] == report["b"]["ok"] == SIM_REQUESTS
+    assert {r["output_tokens"] for side in "ab" for r in report[side]["results"]} == {16}
+    return report
+
+
+def test_sim_kv_cache_off_raises_tpot_beyond_doubt(capsys: pytest.CaptureFixture[str]) -> None:
+    with sim_engine(kv_cache=True) as url_a, sim_engine(kv_cache=False) as url_b:
+        report = sim_compare(capsys, url_a, url_b)
+    tpot = report["metrics"]["tpot_s"]
+    assert tpot["significant"] is True
+    assert tpot["ci_low"] > 1.0, tpot  # the 95% CI excludes 1x: TPOT is higher without the KV cache
+    assert tpot["ci_low"] <= tpot["ratio_b_over_a"] <= tpot["ci_high"]
+    assert tpot["verdict"].startswith("TPOT ") and "× higher in B, 95% CI " in tpot["verdict"]
+
+
+def test_sim_same_config_on_both_sides_shows_no_clear_difference(capsys: pytest.CaptureFixture[str]) -> None:
+    with sim_engine(kv_cache=True) as url_a, sim_engine(kv_cache=True) as url_b:
+        report = sim_compare(capsys, url_a, url_b)
+    for key in ("tpot_s", "ttft_s"):
+        m = report["metrics"][key]
+        assert m["significant"] is False, m
+        assert m["ci_low"] <= 1.0 <= m["ci_high"], m  # the 95% CI includes 1x
+        assert "no clear difference (B/A " in m["verdict"]
 
 
 def test_json_report_schema(capsys: pytest.CaptureFixture[str]) -> None:

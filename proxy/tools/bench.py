@@ -30,6 +30,7 @@ from proxy.tools.bench_procs import (
     Upstream,
     affinity,
     cpu_seconds,
+    free_port,
     open_files_limit,
     reset_peak_rss,
     status_mb,
@@ -38,6 +39,8 @@ from proxy.tools.bench_report import DIRECT, Acc, make_row, render, targets
 from proxy.tools.bench_upstream import raise_nofile
 
 PROXY, TRACED, WORKERS = "infertap", "infertap+tracing", "infertap --workers 2"
+# Tracing to an OTLP endpoint where nothing listens: requests must not notice.
+DEAD_COLLECTOR = "infertap+tracing, dead collector"
 # The traced infertap exports spans every TRACE_FLUSH_S (OTEL_BSP_SCHEDULE_DELAY; the SDK's default
 # is 5 s) so that the bench can wait for a run's spans to leave before it reads the CPU time.
 TRACE_FLUSH_S = 0.5
@@ -105,8 +108,9 @@ def scenarios(quick: bool) -> list[Scenario]:
         ),
         Scenario(
             "tracing",
-            "the zero-delay streams with OpenTelemetry tracing on (spans to the bench upstream)",
-            (DIRECT, PROXY, TRACED),
+            "the zero-delay streams with OpenTelemetry tracing on (spans to the bench upstream, "
+            "and to a closed port)",
+            (DIRECT, PROXY, TRACED, DEAD_COLLECTOR),
             (zero_delay,),
             rounds=n(2, 1),
         ),
@@ -157,6 +161,16 @@ class Bench:
                 flush_ms = int(TRACE_FLUSH_S * 1000)
                 proxy = Infertap(
                     name, url, self.proxy_cpu, tracing_to=url, flush_ms=flush_ms, nofile=self.nofile
+                )
+            elif name == DEAD_COLLECTOR:
+                dead = f"http://127.0.0.1:{free_port()}"  # bound and closed again: nothing listens
+                proxy = Infertap(
+                    name,
+                    url,
+                    self.proxy_cpu,
+                    tracing_to=dead,
+                    flush_ms=int(TRACE_FLUSH_S * 1000),
+                    nofile=self.nofile,
                 )
             elif name == WORKERS:
                 proxy = Infertap(name, url, None, workers=2, nofile=self.nofile)

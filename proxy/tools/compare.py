@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from proxy.tools import plot
 from proxy.tools.client import (
     Progress,
     Result,
@@ -34,9 +35,11 @@ from proxy.tools.client import (
 )
 from proxy.tools.probe import (
     TOKEN_SOURCE_TEXT,
+    add_chart_arguments,
     check_load,
     fmt_seconds,
     format_errors,
+    format_histograms,
     parse_args,
     run_json,
 )
@@ -91,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--confidence", type=float, default=0.95, help="confidence level (default: 0.95)")
     run.add_argument("--seed", type=int, default=0, help="bootstrap RNG seed (default: 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (schema: docs/tools.md)")
+    add_chart_arguments(parser)
     return parser
 
 
@@ -194,7 +198,7 @@ async def _compare(
     return a, b, results["a"], results["b"], busy
 
 
-def format_report(report: dict[str, Any]) -> str:
+def format_report(report: dict[str, Any], histograms: bool = False) -> str:
     la, lb = report["labels"]["a"], report["labels"]["b"]
     lines = []
     for side, label in (("a", la), ("b", lb)):
@@ -219,6 +223,8 @@ def format_report(report: dict[str, Any]) -> str:
         else:
             cells.append("-")
         lines.append(f"{label:<7}" + "".join(f"{c:>{width}}" for c in cells) + f"  {ci}")
+    if histograms:
+        lines += format_histograms([(la, report["a"]), (lb, report["b"])])
     lines += ["", "verdict:"] + [f"  {report['metrics'][key]['verdict']}" for key in ("ttft_s", "tpot_s")]
     for side, label in (("a", la), ("b", lb)):
         if report[side]["errors"]:
@@ -238,6 +244,8 @@ def main(argv: list[str]) -> int:
             raise ToolError("--confidence must be between 0 and 1, e.g. 0.95")
         a, b = targets_from_args(args)
         prompts = prompts_from_args(args)
+        if args.plot:
+            plot.check_output(args.plot)
         a, b, ra, rb, busy = asyncio.run(
             _compare(a, b, prompts, args.requests, args.concurrency, not args.no_warmup)
         )
@@ -270,7 +278,10 @@ def main(argv: list[str]) -> int:
             label_b=args.label_b,
         ),
     }
-    print(json.dumps(report, indent=2, ensure_ascii=False) if args.json else format_report(report))
+    if args.json:
+        print(json.dumps(report, indent=2, ensure_ascii=False))
+    else:
+        print(format_report(report, histograms=not args.no_histogram))
     failed = [r for r in (*ra, *rb) if not r.ok]
     if failed:
         print(
@@ -278,4 +289,11 @@ def main(argv: list[str]) -> int:
             f"first: {failed[0].error}",
             file=sys.stderr,
         )
+    if args.plot:
+        try:
+            plot.compare_chart(report, args.plot)
+        except ToolError as e:
+            print(f"infertap compare: {e}", file=sys.stderr)
+            return 2
+        print(f"infertap compare: chart written to {args.plot}", file=sys.stderr)
     return 1 if failed else 0

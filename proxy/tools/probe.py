@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from proxy.tools import plot
 from proxy.tools.client import (
     Progress,
     Result,
@@ -29,6 +30,7 @@ from proxy.tools.client import (
     run_many,
     target_from_args,
 )
+from proxy.tools.histogram import histograms
 from proxy.tools.stats import summarize
 
 _EPILOG = """\
@@ -62,7 +64,23 @@ def build_parser() -> argparse.ArgumentParser:
         "-c", "--concurrency", type=int, default=1, metavar="C", help="requests in flight (default: 1)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object (schema: docs/tools.md)")
+    add_chart_arguments(parser)
     return parser
+
+
+def add_chart_arguments(parser: argparse.ArgumentParser) -> None:
+    out = parser.add_argument_group("charts")
+    out.add_argument(
+        "--no-histogram",
+        action="store_true",
+        help="leave out the text histograms of TTFT and TPOT (never in --json output)",
+    )
+    out.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="also draw the TTFT and TPOT distributions into FILE (.png, .svg, .pdf; 1200x500 px); "
+        "needs matplotlib: pip install 'infertap[plot]'",
+    )
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace | int:
@@ -167,6 +185,22 @@ def format_table(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def ok_values(run: dict[str, Any], key: str) -> list[float]:
+    """The metric of every successful request of a run_json report."""
+    return [float(r[key]) for r in run["results"] if r["ok"] and r.get(key) is not None]
+
+
+def format_histograms(series: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Text histograms of TTFT and TPOT for (label, run_json report) pairs, over shared bins."""
+    blocks = histograms(
+        [
+            (f"{label} (s)", [(name, ok_values(run, key)) for name, run in series], digits)
+            for label, key, digits in ROWS[:2]
+        ]
+    )
+    return [line for block in blocks if block for line in ("", *block)]
+
+
 def format_errors(errors: dict[str, dict[str, Any]]) -> list[str]:
     return [f"  {kind} x{e['count']}: {e['first']}" for kind, e in sorted(errors.items())]
 
@@ -185,7 +219,7 @@ def format_single(r: Result) -> str:
     )
 
 
-def format_run(report: dict[str, Any]) -> str:
+def format_run(report: dict[str, Any], histograms: bool = False) -> str:
     t = report["target"]
     rps = report["requests_per_s"]
     lines = [
@@ -197,6 +231,8 @@ def format_run(report: dict[str, Any]) -> str:
         lines.append(f"output tokens: {TOKEN_SOURCE_TEXT[report['token_source']]}")
     if report["ok"]:
         lines += ["", *format_table(report["summary"])]
+        if histograms:
+            lines += format_histograms([("requests", report)])
     if report["errors"]:
         lines += ["", "errors:", *format_errors(report["errors"])]
     return "\n".join(lines)
@@ -228,6 +264,8 @@ def main(argv: list[str]) -> int:
         check_load(args.requests, args.concurrency)
         target = target_from_args(args, notes=notes)
         prompts = prompts_from_args(args)
+        if args.plot:
+            plot.check_output(args.plot)
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
         target, results, wall = asyncio.run(
@@ -249,7 +287,7 @@ def main(argv: list[str]) -> int:
         if results[0].ok:
             print(format_single(results[0]))
     else:
-        print(format_run(report))
+        print(format_run(report, histograms=not args.no_histogram))
     failed = [r for r in results if not r.ok]
     if len(failed) == 1 and len(results) == 1:
         print(f"infertap probe: {failed[0].error}", file=sys.stderr)
@@ -260,4 +298,11 @@ def main(argv: list[str]) -> int:
             f"first: {failed[0].error}",
             file=sys.stderr,
         )
+    if args.plot:
+        try:
+            plot.probe_chart(report, args.plot)
+        except ToolError as e:
+            print(f"infertap probe: {e}", file=sys.stderr)
+            return 2
+        print(f"infertap probe: chart written to {args.plot}", file=sys.stderr)
     return 1 if failed else 0
