@@ -1,11 +1,16 @@
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 
@@ -107,3 +112,43 @@ def make_settings(*upstreams: tuple[str, str], **extra: Any) -> Settings:
 def run_proxy(settings: Settings, *observers: Observer) -> Iterator[str]:
     with serve_in_thread(create_app(settings, observers)) as url:
         yield url
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextmanager
+def serve_process(
+    *args: str, env: dict[str, str] | None = None, log: Path | None = None, timeout: float = 60
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`python -m proxy serve ARGS` as a user runs it, on a free loopback port; yields its base URL
+    once /healthz answers. Output goes to `log` (a file, never a pipe that could fill up)."""
+    port = free_port()
+    out = log.open("wb") if log is not None else subprocess.DEVNULL
+    cmd = [sys.executable, "-m", "proxy", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if log else subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            return True
+        try:
+            return httpx.get(f"{base}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(up, timeout, "infertap serve to answer /healthz")
+        assert proc.poll() is None, f"infertap serve exited with {proc.returncode}" + (
+            f": {log.read_text()}" if log is not None else ""
+        )
+        yield base, proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        if log is not None:
+            out.close()  # type: ignore[union-attr]

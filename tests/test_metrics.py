@@ -6,9 +6,7 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
-import sys
 
 import httpx
 import pytest
@@ -16,7 +14,7 @@ import pytest
 from proxy.exchange import Exchange
 from proxy.observer import Observer
 from proxy.tools.fake_upstream import FakeUpstream
-from tests.conftest import RecordingObserver, make_settings, run_proxy, wait_until
+from tests.conftest import RecordingObserver, make_settings, run_proxy, serve_process, wait_until
 from tests.promtext import samples, scrape, value
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
@@ -263,48 +261,13 @@ def test_promtool_check_metrics(fake: tuple[FakeUpstream, str]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_two_workers_aggregate_metrics(fake: tuple[FakeUpstream, str], tmp_path: os.PathLike[str]) -> None:
     _, url = fake
-    port = _free_port()
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "proxy",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "2",
-            "--upstream",
-            f"fake={url}",
-            "--log-level",
-            "warning",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-
-        def up() -> bool:
-            try:
-                return httpx.get(f"{base}/healthz").status_code == 200
-            except httpx.HTTPError:
-                return proc.poll() is not None
-
-        wait_until(up, 30, "the 2-worker proxy")
-        assert proc.poll() is None
+    with serve_process("--workers", "2", "--upstream", f"fake={url}", "--log-level", "warning", env=env) as (
+        base,
+        _,
+    ):
         n = 40
         with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as c:
             for _ in range(n):
@@ -318,9 +281,6 @@ def test_two_workers_aggregate_metrics(fake: tuple[FakeUpstream, str], tmp_path:
                     "gauge duplicated per pid"
                 )
                 assert all("pid" not in g for g in gauges)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
 
 
 def test_exemplars_carry_the_real_trace_id(fake: tuple[FakeUpstream, str]) -> None:

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from proxy.settings import Settings
 from proxy.tools.fake_upstream import FakeUpstream
 from proxy.tracing import TracingObserver
-from tests.conftest import RecordingObserver, make_settings, run_proxy, wait_until
+from tests.conftest import RecordingObserver, make_settings, run_proxy, serve_process, wait_until
 from tests.promtext import samples, scrape, value
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
@@ -364,36 +361,8 @@ def _rss_kb(pid: int, field: str) -> int:
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RSS from /proc")
 def test_slow_reading_client_keeps_memory_bounded(fake: tuple[FakeUpstream, str]) -> None:
     _, url = fake
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "proxy",
-            "serve",
-            "--port",
-            str(port),
-            "--upstream",
-            f"fake={url}",
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "INFERTAP_METRICS__ACCESS_LOG": "false"},
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-
-        def up() -> bool:
-            try:
-                return httpx.get(f"{base}/healthz").status_code == 200
-            except httpx.HTTPError:
-                return proc.poll() is not None
-
-        wait_until(up, 30, "the proxy")
+    env = {**os.environ, "INFERTAP_METRICS__ACCESS_LOG": "false"}
+    with serve_process("--upstream", f"fake={url}", "--log-level", "warning", env=env) as (base, proc):
         before = _rss_kb(proc.pid, "VmRSS")
         total = 0
         # 1,200 events of 64 KiB: about 80 MB that the upstream can produce far faster than this
@@ -411,8 +380,5 @@ def test_slow_reading_client_keeps_memory_bounded(fake: tuple[FakeUpstream, str]
                 total += len(piece)
                 time.sleep(0.0005)  # a slow reader, on purpose: this is the client under test
         peak = _rss_kb(proc.pid, "VmHWM")
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
     assert total > 75 * 1024 * 1024
     assert peak - before < 40 * 1024, f"proxy RSS grew by {(peak - before) // 1024} MB for an 80 MB stream"

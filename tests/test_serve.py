@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,48 +14,19 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import serve_process, wait_until
 
 MESSAGES = [{"role": "user", "content": "Explain prefill and decode."}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """infertap with no upstream configured: it must start its simulated engine by itself."""
-    port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("INFERTAP_", "TAOTOKEN_"))}
-    log = tmp_path_factory.mktemp("serve") / "stderr.log"
-    stderr = log.open("w")  # a file, not a pipe: a full pipe would block the server's logging
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "serve", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=stderr,
-    )
-    base = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        if proc.poll() is not None:
-            return True
-        try:
-            return httpx.get(f"{base}/readyz").status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_until(up, 60, "infertap serve with the embedded engine")
-        assert proc.poll() is None, log.read_text()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with serve_process(env=env, log=log) as (base, _):
+        wait_until(lambda: httpx.get(f"{base}/readyz").status_code == 200, 30, "the embedded engine")
         yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
-        stderr.close()
     assert "embedded simulated engine" in log.read_text()  # it says clearly where requests go
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +23,14 @@ from proxy.exchange import Exchange, Outcome
 from proxy.settings import ConfigError, TracingSettings
 from proxy.tools.fake_upstream import FakeUpstream
 from proxy.tracing import TracingObserver, build_tracing, export_config
-from tests.conftest import RecordingObserver, make_settings, run_proxy, serve_in_thread, wait_until
+from tests.conftest import (
+    RecordingObserver,
+    make_settings,
+    run_proxy,
+    serve_in_thread,
+    serve_process,
+    wait_until,
+)
 from tests.otlp_receiver import otlp_grpc_receiver, otlp_http_receiver
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
@@ -607,13 +612,6 @@ def test_grpc_export_reaches_a_receiver(fake: tuple[FakeUpstream, str]) -> None:
     assert {s.resource["service.name"] for s in spans} == {"infertap"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture
 def otlp_http() -> Iterator[tuple[Any, str]]:
     with otlp_http_receiver() as pair:
@@ -625,33 +623,14 @@ def test_serve_exports_to_otlp_http_from_the_standard_env(
 ) -> None:
     upstream, url = fake
     received, collector = otlp_http
-    port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "INFERTAP_"))}
     env.update(
         OTEL_EXPORTER_OTLP_ENDPOINT=collector,
         OTEL_BSP_SCHEDULE_DELAY="100",
         OTEL_SERVICE_NAME="infertap-under-test",
     )
-    cmd = [sys.executable, "-m", "proxy", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    log_path = tmp_path / "serve.log"
-    log_file = log_path.open("wb")
-    proc = subprocess.Popen(
-        [*cmd, "--upstream", f"fake={url}", "--log-level", "warning"],
-        env=env,
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        assert proc.poll() is None, f"infertap serve exited: {log_path.read_text()}"
-        try:
-            return httpx.get(f"{base}/healthz", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    try:
-        wait_until(healthy, 30, "infertap serve to answer /healthz")
+    args = ("--upstream", f"fake={url}", "--log-level", "warning")
+    with serve_process(*args, env=env, log=tmp_path / "serve.log") as (base, _):
         r = httpx.post(
             f"{base}/v1/chat/completions",
             json={**CHAT, "stream": True},
@@ -659,14 +638,6 @@ def test_serve_exports_to_otlp_http_from_the_standard_env(
         )
         assert r.status_code == 200
         wait_until(lambda: len(received.snapshot()) >= 2, 15, "spans at the OTLP receiver")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log_file.close()
     spans = received.snapshot()
     assert set(received.paths) == {"/v1/traces"}
     by_kind = {s.span.kind: s for s in spans if s.attributes.get("infertap.request_id") == "otlp-1"}
