@@ -41,6 +41,8 @@ from proxy.tools.bench_upstream import raise_nofile
 PROXY, TRACED, WORKERS = "infertap", "infertap+tracing", "infertap --workers 2"
 # Tracing to an OTLP endpoint where nothing listens: requests must not notice.
 DEAD_COLLECTOR = "infertap+tracing, dead collector"
+# The live view's observer is on by default; this one runs without it, to show what /ui costs.
+UI_OFF = "infertap, /ui off"
 # The traced infertap exports spans every TRACE_FLUSH_S (OTEL_BSP_SCHEDULE_DELAY; the SDK's default
 # is 5 s) so that the bench can wait for a run's spans to leave before it reads the CPU time.
 TRACE_FLUSH_S = 0.5
@@ -115,6 +117,13 @@ def scenarios(quick: bool) -> list[Scenario]:
             rounds=n(2, 1),
         ),
         Scenario(
+            "ui",
+            "the zero-delay streams with the /ui live view on (the default) and off",
+            (DIRECT, PROXY, UI_OFF),
+            (zero_delay,),
+            rounds=n(2, 1),
+        ),
+        Scenario(
             "workers",
             "the zero-delay streams with --workers 2",
             (DIRECT, PROXY, WORKERS),
@@ -171,6 +180,10 @@ class Bench:
                     tracing_to=dead,
                     flush_ms=int(TRACE_FLUSH_S * 1000),
                     nofile=self.nofile,
+                )
+            elif name == UI_OFF:
+                proxy = Infertap(
+                    name, url, self.proxy_cpu, nofile=self.nofile, extra_env={"INFERTAP_UI__ENABLED": "false"}
                 )
             elif name == WORKERS:
                 proxy = Infertap(name, url, None, workers=2, nofile=self.nofile)

@@ -248,6 +248,7 @@ class Infertap:
         tracing_to: str = "",
         flush_ms: int = 0,
         nofile: int | None = None,
+        extra_env: dict[str, str] | None = None,
     ):
         self.label = label
         self.port = free_port()
@@ -261,6 +262,7 @@ class Infertap:
         # endpoint) would change what is measured.
         env = {k: v for k, v in os.environ.items() if not k.startswith(("INFERTAP_", "OTEL_"))}
         env["INFERTAP_METRICS__ACCESS_LOG"] = "false"
+        env.update(extra_env or {})
         if tracing_to:
             env["OTEL_EXPORTER_OTLP_ENDPOINT"] = tracing_to
             if flush_ms:
