@@ -16,7 +16,7 @@ import pytest
 
 from proxy.tools import compare, plot, probe
 from proxy.tools.histogram import FULL, bar, bin_count, histogram
-from tests.test_probe import engine
+from tests.test_probe import closed_port, engine
 
 JITTER = 0.3
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -97,6 +97,20 @@ def test_probe_plot_writes_a_png_of_the_fixed_size(
         ["TTFT", "(s)", "requests"],
         ["TPOT", "(s)", "requests"],
     ]
+
+
+def test_compare_plot_with_a_dead_side(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out_png = tmp_path / "out.png"
+    with engine(tokens=3, jitter=JITTER) as (_, url):
+        dead = f"http://127.0.0.1:{closed_port()}/v1"
+        code, out, err = run(
+            compare.main, capsys, "--a", url, "--b", dead, "--model", "m", "-n", "3", "--retries", "0",
+            "--plot", str(out_png),
+        )  # fmt: skip
+    assert code == 1 and "3 of 6 requests failed" in err  # the run's failure, and still a chart
+    assert png_size(out_png) == (1200, 500) and has_colour(out_png, plot.COLOR_A)
+    heads = histogram_lines(out)
+    assert len(heads) == 2 and all("A (n=3)" in h and "B (n=0)" in h for h in heads)
 
 
 def test_plot_format_follows_the_extension(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

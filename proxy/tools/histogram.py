@@ -4,10 +4,11 @@ One block per metric: a row per bin, a horizontal bar per series drawn with unic
 blocks, and the count. Several series (compare's A and B) share the bins and the bar scale,
 so they can be read against each other:
 
-    TPOT (s)         kv-on (n=20)              kv-off (n=20)
-    0.0220–0.0240    ████████████████████ 20
+    TTFT (s)       kv-on (n=20)              kv-off (n=20)
+    0.022–0.039    ████████████████▍     9   ████████████████████ 11
+    0.039–0.057
+    0.057–0.074    ██████████████▌       8   █████████▏            5
     ...
-    0.0340–0.0360                              ████████████████████ 20
 
 Plain stdlib; the bin count follows Sturges' rule (ceil(log2 n) + 1, at most 12), the bins
 span min..max linearly, and the edges get as many decimals as it takes to tell them apart.

@@ -82,7 +82,7 @@ def ok_values_ms(run: dict[str, Any], key: str) -> list[float]:
 
 
 def fmt_ms(v: float) -> str:
-    digits = 0 if v >= 100 else 1 if v >= 10 else 2
+    digits = 0 if v >= 99.95 else 1 if v >= 9.995 else 2  # "10.0 ms", never "10.00 ms"
     return f"{v:.{digits}f} ms"
 
 
@@ -121,7 +121,7 @@ def _ab_panel(ax: Axes, name: str, series: Sequence[tuple[str, list[float], str]
             fontweight="bold",
         )
     ax.set_xticks(range(1, len(series) + 1), [f"{label}\n(n={len(values)})" for label, values, _ in series])
-    ax.set_xlim(0.4, len(series) + 0.95)
+    ax.set_xlim(0.4, len(series) + 1.05)
     ax.set_ylim(0, top * 1.12)
     ax.set_ylabel(f"{name} (ms)")
     ax.grid(axis="y", color="0.9")
