@@ -56,7 +56,6 @@ class TimeoutSettings(_Section):
         description="longest silence while reading the upstream (also bounds the wait for headers)",
     )
     total: float | None = Field(default=None, gt=0, description="the whole request; none by default")
-    write: float = Field(default=30.0, gt=0)
     pool: float = Field(default=10.0, gt=0, description="longest wait for a free pooled connection")
 
 
