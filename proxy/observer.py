@@ -96,9 +96,6 @@ class ObserverSet:
             for hook in HOOKS
         }
 
-    def wants(self, hook: str) -> bool:
-        return bool(self._calls[hook])
-
     def request_received(self, ex: Exchange) -> None:
         for call in self._calls["request_received"]:
             call(ex)
