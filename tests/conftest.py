@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -152,3 +154,16 @@ def serve_process(
         proc.wait(timeout=20)
         if log is not None:
             out.close()  # type: ignore[union-attr]
+
+
+def tool(name: str) -> str:
+    """A command-line tool's path; skip when it is missing, but fail under CI=true, where
+    scripts/install_deploy_tools.sh must have installed it."""
+    path = shutil.which(name) or next(
+        (str(p) for p in [Path(sys.executable).parent / name] if p.exists()), None
+    )
+    if path:
+        return path
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{name} is missing in CI: scripts/install_deploy_tools.sh should have installed it")
+    pytest.skip(f"{name} is not installed (run scripts/install_deploy_tools.sh)")

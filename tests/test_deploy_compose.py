@@ -7,26 +7,16 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from tests.conftest import tool
+
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
-
-
-def tool(name: str) -> str:
-    path = shutil.which(name) or next(
-        (str(p) for p in [Path(sys.executable).parent / name] if p.exists()), None
-    )
-    if path:
-        return path
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{name} is missing in CI: scripts/install_deploy_tools.sh should have installed it")
-    pytest.skip(f"{name} is not installed (run scripts/install_deploy_tools.sh)")
 
 
 def compose_config(*args: str) -> dict[str, Any]:

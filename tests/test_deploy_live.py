@@ -26,6 +26,8 @@ import httpx
 import pytest
 import yaml
 
+from tests.conftest import tool
+
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "rules"
 REQUESTS = 20
@@ -46,15 +48,6 @@ EMPTY_OK_EXPR = (
     "infertap_retries_total",
     'outcome!~"ok|client_error|client_disconnect"',
 )
-
-
-def tool(name: str) -> str:
-    path = shutil.which(name)
-    if path:
-        return path
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{name} is missing in CI: scripts/install_deploy_tools.sh should have installed it")
-    pytest.skip(f"{name} is not installed (run scripts/install_deploy_tools.sh)")
 
 
 def free_port() -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import shutil
 import subprocess
@@ -14,22 +13,12 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.conftest import tool
+
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "rules"
 RULE_TESTS = ROOT / "deploy" / "prometheus" / "tests"
 DOCS = ROOT / "docs" / "monitoring.md"
-
-
-def tool(name: str) -> str:
-    """The tool's path; skip when it is missing, but fail under CI=true (scripts/install_deploy_tools.sh)."""
-    path = shutil.which(name) or next(
-        (str(p) for p in [Path(sys.executable).parent / name] if p.exists()), None
-    )
-    if path:
-        return path
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{name} is missing in CI: scripts/install_deploy_tools.sh should have installed it")
-    pytest.skip(f"{name} is not installed (run scripts/install_deploy_tools.sh)")
 
 
 def load_generate() -> Any:

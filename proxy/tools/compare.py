@@ -289,11 +289,10 @@ def main(argv: list[str]) -> int:
             f"first: {failed[0].error}",
             file=sys.stderr,
         )
-    if args.plot:
-        try:
-            plot.compare_chart(report, args.plot)
-        except ToolError as e:
-            print(f"infertap compare: {e}", file=sys.stderr)
-            return 2
-        print(f"infertap compare: chart written to {args.plot}", file=sys.stderr)
+    if (
+        args.plot
+        and (status := plot.write_chart(plot.compare_chart, report, args.plot, "infertap compare"))
+        is not None
+    ):
+        return status
     return 1 if failed else 0

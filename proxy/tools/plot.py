@@ -14,8 +14,9 @@ each panel is titled with its verdict. probe: two histograms with the p50 and p9
 from __future__ import annotations
 
 import random
+import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -203,3 +204,16 @@ def probe_chart(report: dict[str, Any], path: str) -> None:
         color="0.3",
     )
     _save(fig, path)
+
+
+def write_chart(
+    draw: Callable[[dict[str, Any], str], None], report: dict[str, Any], path: str, prog: str
+) -> int | None:
+    """Draws `report` to `path` and says so on stderr; returns exit status 2 when it cannot."""
+    try:
+        draw(report, path)
+    except ToolError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    print(f"{prog}: chart written to {path}", file=sys.stderr)
+    return None

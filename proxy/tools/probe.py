@@ -298,11 +298,9 @@ def main(argv: list[str]) -> int:
             f"first: {failed[0].error}",
             file=sys.stderr,
         )
-    if args.plot:
-        try:
-            plot.probe_chart(report, args.plot)
-        except ToolError as e:
-            print(f"infertap probe: {e}", file=sys.stderr)
-            return 2
-        print(f"infertap probe: chart written to {args.plot}", file=sys.stderr)
+    if (
+        args.plot
+        and (status := plot.write_chart(plot.probe_chart, report, args.plot, "infertap probe")) is not None
+    ):
+        return status
     return 1 if failed else 0
