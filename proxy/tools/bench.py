@@ -43,6 +43,8 @@ PROXY, TRACED, WORKERS = "infertap", "infertap+tracing", "infertap --workers 2"
 DEAD_COLLECTOR = "infertap+tracing, dead collector"
 # The live view's observer is on by default; this one runs without it, to show what /ui costs.
 UI_OFF = "infertap, /ui off"
+# Loop detection is off by default because it makes the scanner parse every output event.
+LOOPS_ON = "infertap, loop detection on"
 # The traced infertap exports spans every TRACE_FLUSH_S (OTEL_BSP_SCHEDULE_DELAY; the SDK's default
 # is 5 s) so that the bench can wait for a run's spans to leave before it reads the CPU time.
 TRACE_FLUSH_S = 0.5
@@ -124,6 +126,13 @@ def scenarios(quick: bool) -> list[Scenario]:
             rounds=n(2, 1),
         ),
         Scenario(
+            "loops",
+            "the zero-delay streams with loop detection ([loops]) off (the default) and on",
+            (DIRECT, PROXY, LOOPS_ON),
+            (zero_delay,),
+            rounds=n(2, 1),
+        ),
+        Scenario(
             "workers",
             "the zero-delay streams with --workers 2",
             (DIRECT, PROXY, WORKERS),
@@ -184,6 +193,14 @@ class Bench:
             elif name == UI_OFF:
                 proxy = Infertap(
                     name, url, self.proxy_cpu, nofile=self.nofile, extra_env={"INFERTAP_UI__ENABLED": "false"}
+                )
+            elif name == LOOPS_ON:
+                proxy = Infertap(
+                    name,
+                    url,
+                    self.proxy_cpu,
+                    nofile=self.nofile,
+                    extra_env={"INFERTAP_LOOPS__ENABLED": "true"},
                 )
             elif name == WORKERS:
                 proxy = Infertap(name, url, None, workers=2, nofile=self.nofile)
