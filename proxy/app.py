@@ -36,6 +36,7 @@ log = logging.getLogger("infertap.app")
 PROXIED: dict[str, tuple[str, str]] = {
     "/v1/chat/completions": ("chat.completions", "POST"),
     "/v1/completions": ("completions", "POST"),
+    "/v1/responses": ("responses", "POST"),
     "/v1/embeddings": ("embeddings", "POST"),
 }
 _PROBE_TIMEOUT = aiohttp.ClientTimeout(total=3.0)

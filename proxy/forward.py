@@ -24,6 +24,7 @@ from proxy.exchange import Exchange, Outcome, prompt_class
 from proxy.observer import ObserverSet
 from proxy.relay import relay_body, relay_sse, response_headers, stamp_outputs, status_outcome, take_facts
 from proxy.request import (
+    COMPLETION_ROUTES,
     DROP_REQUEST,
     GENERATION_ROUTES,
     JSON_ROUTES,
@@ -33,7 +34,7 @@ from proxy.request import (
     prompt_chars,
     retry_after,
 )
-from proxy.sse import SSEScanner, StreamFacts, error_event
+from proxy.sse import ResponsesScanner, SSEScanner, StreamFacts, error_event
 from proxy.upstream import RETRYABLE_STATUS, ErrorKind, Router, Upstream, classify, describe
 
 log = logging.getLogger("infertap.forward")
@@ -147,12 +148,14 @@ class Forwarder:
             ex.prompt_chars = prompt_chars(obj)
             ex.prompt_class = prompt_class(ex.estimated_prompt_tokens, self.prompt_class_bounds)
             ex.params = {
-                k: obj[k] for k in ("max_tokens", "max_completion_tokens", "temperature", "top_p") if k in obj
+                k: obj[k]
+                for k in ("max_tokens", "max_completion_tokens", "max_output_tokens", "temperature", "top_p")
+                if k in obj
             }
         upstream = self.router.route(ex.model)
         ex.upstream = upstream.name
         ex.upstream_url = upstream.display_url
-        if obj is not None and ex.stream and route in GENERATION_ROUTES:
+        if obj is not None and ex.stream and route in COMPLETION_ROUTES:
             body = self._maybe_inject_usage(ex, obj, upstream, body)
         suffix = scope["path"][3:]
         if scope.get("query_string"):
@@ -384,9 +387,11 @@ class Forwarder:
                 if not (generation_stream and status == 200 and is_sse):
                     ready = _Ready(resp, chunks)
                     return ready
-                ready = await self._until_first_output(
-                    resp, chunks, ex.usage_injected, ex.capture_output_chars
+                scanner_type = ResponsesScanner if ex.route == "responses" else SSEScanner
+                scanner = scanner_type(
+                    strip_usage_only=ex.usage_injected, capture_chars=ex.capture_output_chars
                 )
+                ready = await self._until_first_output(resp, chunks, scanner)
                 return ready
         except aiohttp.ClientError as e:  # before TimeoutError: aiohttp's timeouts are TimeoutErrors too
             kind = classify(e)
@@ -412,10 +417,9 @@ class Forwarder:
 
     @staticmethod
     async def _until_first_output(
-        resp: aiohttp.ClientResponse, chunks: AsyncIterator[bytes], strip: bool, capture_chars: int = 0
+        resp: aiohttp.ClientResponse, chunks: AsyncIterator[bytes], scanner: SSEScanner
     ) -> _Ready:
         """Reads a generation stream until its first output event (or its end), holding the bytes."""
-        scanner = SSEScanner(strip_usage_only=strip, capture_chars=capture_chars)
         ready = _Ready(resp, chunks, scanner)
         async for data in chunks:
             out, outputs = scanner.feed(data)
@@ -457,9 +461,8 @@ class Forwarder:
                     outcome = Outcome.UPSTREAM_ERROR
                 elif not facts.done:
                     outcome = Outcome.STREAM_INTERRUPTED
-                    msg = (
-                        f"upstream '{ex.upstream}' ended the stream without [DONE]: the answer is incomplete"
-                    )
+                    end = "response.completed" if ex.route == "responses" else "[DONE]"
+                    msg = f"upstream '{ex.upstream}' ended the stream without {end}: the answer is incomplete"
                     await send(
                         {
                             "type": "http.response.body",

@@ -30,7 +30,7 @@ _CJK = "\u3000-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\uff00-
 _SPLIT_CJK = re.compile(rf"[{_CJK}]|[^{_CJK}]+")
 _HAS_CJK = re.compile(rf"[{_CJK}]")
 # Routes whose answers are generated text.
-_TEXT_ROUTES = frozenset({"chat.completions", "completions"})
+_TEXT_ROUTES = frozenset({"chat.completions", "completions", "responses"})
 
 
 def tokens(text: str) -> list[str]:

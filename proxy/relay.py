@@ -91,7 +91,9 @@ async def relay_body(
 def take_facts(ex: Exchange, facts: StreamFacts) -> None:
     usage = facts.usage
     if usage is not None:
-        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        # Chat and text completions name them prompt/completion, the Responses API input/output.
+        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+        completion = usage.get("completion_tokens", usage.get("output_tokens"))
         if isinstance(prompt, int):
             ex.prompt_tokens = prompt
         if isinstance(completion, int):

@@ -14,8 +14,11 @@ import orjson
 
 from proxy.asgi import Scope, header
 
-# Routes whose JSON body names a model and whose streams end with `data: [DONE]`.
-GENERATION_ROUTES = frozenset({"chat.completions", "completions"})
+# Routes that generate text: their JSON body names a model, their streams carry output events.
+GENERATION_ROUTES = frozenset({"chat.completions", "completions", "responses"})
+# Those whose streams end with `data: [DONE]` and send usage only when asked (stream_options).
+# The Responses API always puts usage in its final `response.completed` event instead.
+COMPLETION_ROUTES = frozenset({"chat.completions", "completions"})
 JSON_ROUTES = GENERATION_ROUTES | {"embeddings"}
 
 _HOP_BY_HOP = frozenset(
@@ -97,8 +100,14 @@ def prompt_chars(obj: dict[str, Any]) -> int:
     prompt = obj.get("prompt", obj.get("input"))
     if isinstance(prompt, str):
         total += len(prompt)
+    elif isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        # Responses API input items: {"role": ..., "content": str | [{"type": "input_text", "text": ...}]}
+        total += prompt_chars({"messages": prompt})
     elif isinstance(prompt, list):
         total += sum(len(p) for p in prompt if isinstance(p, str))
+    instructions = obj.get("instructions")
+    if isinstance(instructions, str):
+        total += len(instructions)
     return total
 
 

@@ -27,6 +27,9 @@ _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 _FINISH = re.compile(rb'"finish_reason"\s*:\s*"')
 _NONEMPTY_STRING = re.compile(rb'\s*:\s*"(?!")')
+# The Responses API streams its output as `*.delta` events whose `delta` is a string (in chat
+# completions `delta` is always an object, so this never matches there).
+_DELTA_TEXT = re.compile(rb'"delta"\s*:\s*"(?!")')
 _BOUNDARY = re.compile(rb"\r?\n\r?\n")
 _DATA_PREFIX = re.compile(rb"^data: ?", re.MULTILINE)
 
@@ -180,6 +183,36 @@ class SSEScanner:
             absorb_response(self.facts, obj)
 
 
+class ResponsesScanner(SSEScanner):
+    """The Responses API's stream (POST /v1/responses): typed events and no `data: [DONE]`.
+
+    Output events are the `*.delta` events with a non-empty string delta, judged by a byte
+    search as in chat. The handful of other events a response has (created, item added and
+    done, completed) are parsed: `response.completed` or `response.incomplete` carries the usage
+    and ends the stream; `response.failed` and `error` are error events.
+    """
+
+    __slots__ = ()
+
+    def _inspect(self, event: bytes) -> tuple[int, bool]:
+        facts = self.facts
+        facts.events += 1
+        if _has(event, b'"delta"', _DELTA_TEXT):
+            if facts.wants_text():
+                self._parse(event)
+            return 1, True
+        self._parse(event)
+        return 0, True
+
+    def _parse(self, event: bytes) -> None:
+        try:
+            obj = orjson.loads(event_data(event))
+        except orjson.JSONDecodeError:
+            return
+        if isinstance(obj, dict):
+            absorb_responses_event(self.facts, obj)
+
+
 def _carries_output(event: bytes) -> bool:
     # Fast path for the common chat delta; everything else takes the full pattern.
     i = event.find(b'"content"')
@@ -215,6 +248,9 @@ def absorb_response(facts: StreamFacts, obj: dict[str, Any]) -> None:
     usage = obj.get("usage")
     if isinstance(usage, dict):
         facts.usage = usage
+    if obj.get("object") == "response":  # a whole (non-stream) Responses API answer
+        _absorb_response_object(facts, obj)
+        return
     choices = obj.get("choices")
     if isinstance(choices, list):
         for choice in choices:
@@ -224,10 +260,55 @@ def absorb_response(facts: StreamFacts, obj: dict[str, Any]) -> None:
             _take_text(facts, choices[0])
 
 
+def absorb_responses_event(facts: StreamFacts, obj: dict[str, Any]) -> None:
+    """Take what a Responses API stream event tells: the response's id, model, usage and end."""
+    kind = obj.get("type")
+    if kind == "error":
+        facts.error_events += 1
+        return
+    response = obj.get("response")
+    if isinstance(response, dict):
+        if facts.response_id is None and isinstance(response.get("id"), str):
+            facts.response_id = response["id"]
+        if facts.response_model is None and isinstance(response.get("model"), str):
+            facts.response_model = response["model"]
+        if isinstance(response.get("usage"), dict):
+            facts.usage = response["usage"]
+        if kind in ("response.completed", "response.incomplete"):
+            facts.done = True
+            _absorb_response_object(facts, response, text=False)  # the text came as deltas
+        elif kind == "response.failed":
+            facts.error_events += 1
+    elif kind == "response.output_text.delta" and facts.wants_text():
+        _append_text(facts, obj.get("delta"))
+
+
+def _absorb_response_object(facts: StreamFacts, response: dict[str, Any], text: bool = True) -> None:
+    """Finish reason (and, when captured, the text) of a finished Responses API `response`."""
+    status = response.get("status")
+    if status == "completed":
+        facts.finish_reasons.append("stop")
+    elif status == "incomplete":
+        details = response.get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, dict) else None
+        facts.finish_reasons.append(reason if isinstance(reason, str) else "incomplete")
+    if not (text and facts.wants_text()):
+        return
+    for item in response.get("output") or ():
+        if isinstance(item, dict) and item.get("type") == "message":
+            for part in item.get("content") or ():
+                if isinstance(part, dict) and part.get("type") == "output_text":
+                    _append_text(facts, part.get("text"))
+            return  # the first message only, as the first choice in chat
+
+
 def _take_text(facts: StreamFacts, choice: dict[str, Any]) -> None:
     """Append the text of a chunk's delta, a message or a completion choice, up to the cap."""
     holder = choice.get("delta", choice.get("message"))
-    text = holder.get("content") if isinstance(holder, dict) else choice.get("text")
+    _append_text(facts, holder.get("content") if isinstance(holder, dict) else choice.get("text"))
+
+
+def _append_text(facts: StreamFacts, text: object) -> None:
     if isinstance(text, str) and text:
         text = text[: facts.capture_chars - facts.text_chars]
         facts.text.append(text)

@@ -52,7 +52,12 @@ log = logging.getLogger("infertap.tracing")
 
 Attrs = dict[str, AttributeValue]
 
-OPERATIONS = {"chat.completions": "chat", "completions": "text_completion", "embeddings": "embeddings"}
+OPERATIONS = {
+    "chat.completions": "chat",
+    "completions": "text_completion",
+    "responses": "chat",  # the GenAI conventions have no name of their own for the Responses API
+    "embeddings": "embeddings",
+}
 PROVIDER = "openai"
 PROTOCOLS = ("http/protobuf", "grpc")
 _CALLER_FAULTS = frozenset({Outcome.CLIENT_ERROR, Outcome.REJECTED})
@@ -277,6 +282,18 @@ def input_messages(route: str, request: Mapping[str, Any], budget: _Budget) -> l
         return out
     if route == "completions":
         return [{"role": "user", "parts": _parts(request.get("prompt"), budget)}]
+    if route == "responses":
+        out = []
+        if isinstance(request.get("instructions"), str):
+            out.append({"role": "system", "parts": _parts(request["instructions"], budget)})
+        items = request.get("input")
+        if isinstance(items, str):
+            out.append({"role": "user", "parts": _parts(items, budget)})
+        elif isinstance(items, list):
+            for item in items:  # messages; other items (tool outputs, reasoning) are left out
+                if isinstance(item, dict) and "role" in item:
+                    out.append({"role": str(item["role"]), "parts": _parts(item.get("content"), budget)})
+        return out
     return []
 
 

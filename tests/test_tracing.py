@@ -370,7 +370,7 @@ def test_caller_faults_leave_the_server_span_unset(fake: tuple[FakeUpstream, str
 def test_other_routes_are_named_by_method_and_route(fake: tuple[FakeUpstream, str], traced: Traced) -> None:
     _, url = fake
     with run_proxy(make_settings(("fake", url)), traced.observer, traced.rec) as proxy:
-        r = httpx.post(f"{proxy}/v1/responses", json=CHAT, headers={"x-request-id": "tr-other"})
+        r = httpx.post(f"{proxy}/v1/moderations", json=CHAT, headers={"x-request-id": "tr-other"})
         assert r.status_code == 200
         server = traced.server("tr-other")
     assert server.name == "POST other"

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from starlette.applications import Starlette
@@ -30,14 +30,17 @@ from proxy.sim.protocol import (
     ChatRequest,
     CompletionRequest,
     EmbeddingRequest,
+    ResponsesRequest,
     build_spec,
     chat_prompt,
     completion_prompt,
     input_tokens,
     invalid,
     parse,
+    responses_prompt,
     vllm_bad_request,
 )
+from proxy.sim.responses import ResponsesFormat
 from proxy.sim.sampling import embedding
 from proxy.sim.sequence import Finished, Sequence
 
@@ -50,6 +53,15 @@ def _json(body: Any, status: int = 200) -> Response:
 
 def _error(e: ApiError) -> Response:
     return _json(e.body, e.status)
+
+
+class WireFormat(Protocol):
+    """How one answer is written: the stream's opening, each token, its end, or the whole body."""
+
+    def first(self) -> bytes: ...
+    def token(self, text: str) -> bytes: ...
+    def end(self, reason: str, usage: dict[str, int]) -> bytes: ...
+    def whole(self, text: str, reason: str, usage: dict[str, int]) -> dict[str, Any]: ...
 
 
 class _Format:
@@ -134,25 +146,36 @@ class _Api:
         return Response(body, media_type=content_type)
 
     async def chat(self, request: Request) -> Response:
-        return await self._generate(request, chat=True)
+        return await self._generate(request, "chat")
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, chat=False)
+        return await self._generate(request, "completion")
 
-    async def _generate(self, request: Request, *, chat: bool) -> Response:
+    async def responses(self, request: Request) -> Response:
+        return await self._generate(request, "responses")
+
+    async def _generate(self, request: Request, kind: str) -> Response:
         try:
             body = await request.body()
-            req: ChatRequest | CompletionRequest
-            if chat:
+            req: ChatRequest | CompletionRequest | ResponsesRequest
+            if kind == "chat":
                 req = parse(ChatRequest, body)
                 prompt = chat_prompt(req)
-            else:
+            elif kind == "completion":
                 req = parse(CompletionRequest, body)
                 prompt = completion_prompt(req)
+            else:
+                req = parse(ResponsesRequest, body)
+                prompt = responses_prompt(req)
             spec = build_spec(self.config, req, prompt, request.headers)
         except ApiError as e:
             return _error(e)
-        fmt = _Format(chat, req.model or self.config.model.name, req.include_usage)
+        model = req.model or self.config.model.name
+        fmt: WireFormat
+        if isinstance(req, ResponsesRequest):
+            fmt = ResponsesFormat(model, req)
+        else:
+            fmt = _Format(kind == "chat", model, req.include_usage)
         seq = self.engine.submit(spec)
         if req.stream:
             return StreamingResponse(
@@ -160,7 +183,7 @@ class _Api:
             )
         return await self._whole(request, seq, fmt)
 
-    async def _stream(self, seq: Sequence, fmt: _Format) -> AsyncGenerator[bytes]:
+    async def _stream(self, seq: Sequence, fmt: WireFormat) -> AsyncGenerator[bytes]:
         # Starlette cancels this generator when the client disconnects: `finally` frees the slot.
         try:
             first = fmt.first()
@@ -182,7 +205,7 @@ class _Api:
         finally:
             self.engine.abort(seq)
 
-    async def _whole(self, request: Request, seq: Sequence, fmt: _Format) -> Response:
+    async def _whole(self, request: Request, seq: Sequence, fmt: WireFormat) -> Response:
         async def watch() -> None:
             # A plain response never notices a disconnect by itself; without this the request
             # would hold its slot to the end.
@@ -258,6 +281,7 @@ def create_sim_app(config: SimConfig) -> Starlette:
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/responses", api.responses, methods=["POST"]),
         Route("/v1/embeddings", api.embeddings, methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_endpoint, methods=["GET"]),

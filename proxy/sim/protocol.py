@@ -94,6 +94,10 @@ class _Generate(_Open):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
 
 class ContentPart(_Open):
     type: str
@@ -112,6 +116,30 @@ class ChatMessage(_Open):
 
 class ChatRequest(_Generate):
     messages: list[ChatMessage] = Field(min_length=1)
+
+
+class ResponsesInputItem(_Open):
+    """A message among the Responses API's input items; other item types count no tokens."""
+
+    role: str | None = None
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(
+                p.text or "" for p in self.content if p.type in ("input_text", "output_text", "text")
+            )
+        return self.content or ""
+
+
+class ResponsesRequest(_Generate):
+    input: str | list[ResponsesInputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_output_tokens or super().output_limit
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
@@ -168,6 +196,17 @@ def chat_prompt(req: ChatRequest) -> list[str]:
     return chat_prompt_tokens((m.role, m.text()) for m in req.messages)
 
 
+def responses_prompt(req: ResponsesRequest) -> list[str]:
+    messages = [("system", req.instructions)] if req.instructions else []
+    if isinstance(req.input, str):
+        messages.append(("user", req.input))
+    else:
+        messages += [(item.role, item.text()) for item in req.input if item.role]
+    if not messages:
+        raise invalid("input: holds no message", param="input")
+    return chat_prompt_tokens(messages)
+
+
 def _hints(req: _Generate, headers: Mapping[str, str]) -> SimHints:
     values: dict[str, Any] = req.sim.model_dump(exclude_none=True) if req.sim else {}
     for field, header in HINT_HEADERS.items():
@@ -201,7 +240,7 @@ def build_spec(
     config: SimConfig, req: _Generate, prompt: list[str], headers: Mapping[str, str]
 ) -> RequestSpec:
     hints = _hints(req, headers)
-    max_tokens = req.max_completion_tokens or req.max_tokens
+    max_tokens = req.output_limit
     check_context(config, len(prompt), max_tokens)
     decode = config.decode
     cap = min(max_tokens or decode.max_tokens, config.model.max_model_len - len(prompt))
