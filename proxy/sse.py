@@ -180,7 +180,10 @@ class SSEScanner:
         except orjson.JSONDecodeError:
             return
         if isinstance(obj, dict):
-            absorb_response(self.facts, obj)
+            self._absorb(obj)
+
+    def _absorb(self, obj: dict[str, Any]) -> None:
+        absorb_response(self.facts, obj)
 
 
 class ResponsesScanner(SSEScanner):
@@ -204,13 +207,8 @@ class ResponsesScanner(SSEScanner):
         self._parse(event)
         return 0, True
 
-    def _parse(self, event: bytes) -> None:
-        try:
-            obj = orjson.loads(event_data(event))
-        except orjson.JSONDecodeError:
-            return
-        if isinstance(obj, dict):
-            absorb_responses_event(self.facts, obj)
+    def _absorb(self, obj: dict[str, Any]) -> None:
+        absorb_responses_event(self.facts, obj)
 
 
 def _carries_output(event: bytes) -> bool:

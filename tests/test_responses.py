@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
-from proxy.asgi import Receive, Scope, Send
 from proxy.exchange import Exchange, Outcome
 from proxy.request import prompt_chars
 from proxy.sim.app import create_sim_app
@@ -97,36 +100,28 @@ class ResponsesUpstream:
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
         self.sent = bytearray()
+        self.app = Starlette(routes=[Route("/v1/responses", self.respond, methods=["POST"])])
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while (msg := await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+    async def respond(self, request: Request) -> Response:
+        body = await request.body()
         self.bodies.append(json.loads(body))
-        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         fmt = ResponsesFormat("sim-model", ResponsesRequest.model_validate_json(body))
-        start = {"type": "http.response.start", "status": 200}
-        await send({**start, "headers": [(b"content-type", b"text/event-stream")]})
+        wait = int(request.headers.get("x-test-wait-ms", "0")) / 1000
+        cut = request.headers.get("x-test-cut") == "1"
 
-        async def emit(data: bytes) -> None:
+        def sent(data: bytes) -> bytes:
             self.sent.extend(data)
-            await send({"type": "http.response.body", "body": data, "more_body": True})
+            return data
 
-        await emit(fmt.first())
-        await asyncio.sleep(int(headers.get("x-test-wait-ms", "0")) / 1000)
-        for w in WORDS:
-            await emit(fmt.token(w))
-        if headers.get("x-test-cut") != "1":
-            await emit(fmt.end("stop", {**USAGE, "completion_tokens": len(WORDS)}))
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        async def events() -> AsyncIterator[bytes]:
+            yield sent(fmt.first())
+            await asyncio.sleep(wait)
+            for w in WORDS:
+                yield sent(fmt.token(w))
+            if not cut:
+                yield sent(fmt.end("stop", {**USAGE, "completion_tokens": len(WORDS)}))
+
+        return StreamingResponse(events(), media_type="text/event-stream")
 
 
 @contextmanager
@@ -181,7 +176,7 @@ def test_openai_sdk_whole_response_through_infertap_to_the_sim() -> None:
 
 def test_bytes_pass_unchanged_and_no_stream_options_is_added() -> None:
     upstream = ResponsesUpstream()
-    with proxied(upstream) as (url, rec):
+    with proxied(upstream.app) as (url, rec):
         body = {"model": "m", "input": "hi", "stream": True}
         with httpx.stream("POST", url + "/v1/responses", json=body, timeout=30) as r:
             got = r.read()
@@ -193,7 +188,7 @@ def test_bytes_pass_unchanged_and_no_stream_options_is_added() -> None:
 
 
 def test_ttft_waits_for_the_first_delta_not_the_opening_events() -> None:
-    with proxied(ResponsesUpstream()) as (url, rec):
+    with proxied(ResponsesUpstream().app) as (url, rec):
         body = {"model": "m", "input": "hi", "stream": True}
         headers = {"x-test-wait-ms": "300"}
         with httpx.stream("POST", url + "/v1/responses", json=body, headers=headers, timeout=30) as r:
@@ -206,7 +201,7 @@ def test_ttft_waits_for_the_first_delta_not_the_opening_events() -> None:
 
 
 def test_a_stream_without_response_completed_is_interrupted() -> None:
-    with proxied(ResponsesUpstream()) as (url, rec):
+    with proxied(ResponsesUpstream().app) as (url, rec):
         body = {"model": "m", "input": "hi", "stream": True}
         with httpx.stream("POST", url + "/v1/responses", json=body, headers={"x-test-cut": "1"}) as r:
             got = r.read()
