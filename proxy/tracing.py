@@ -179,7 +179,7 @@ def _request_attrs(ex: Exchange) -> tuple[str, Attrs]:
     if ex.model:
         attrs["gen_ai.request.model"] = ex.model
     p = ex.params
-    max_tokens = p.get("max_tokens", p.get("max_completion_tokens"))
+    max_tokens = p.get("max_tokens", p.get("max_completion_tokens", p.get("max_output_tokens")))
     if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
         attrs["gen_ai.request.max_tokens"] = max_tokens
     for key in ("temperature", "top_p"):

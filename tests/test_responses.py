@@ -11,6 +11,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -18,12 +21,13 @@ from starlette.routing import Route
 
 from proxy.exchange import Exchange, Outcome
 from proxy.request import prompt_chars
+from proxy.settings import TracingSettings
 from proxy.sim.app import create_sim_app
 from proxy.sim.config import SimConfig
 from proxy.sim.protocol import ResponsesRequest
 from proxy.sim.responses import ResponsesFormat
 from proxy.sse import ResponsesScanner, SSEScanner
-from proxy.tracing import _Budget, input_messages
+from proxy.tracing import TracingObserver, _Budget, input_messages
 from tests.conftest import RecordingObserver, make_settings, run_proxy, serve_in_thread
 
 USAGE = {"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14}
@@ -172,6 +176,23 @@ def test_openai_sdk_whole_response_through_infertap_to_the_sim() -> None:
     assert ex.route == "responses" and not ex.stream and ex.outcome is Outcome.OK
     assert ex.completion_tokens == 4 and ex.first_token_at is None
     assert ex.finish_reasons == ["max_output_tokens"] and ex.params == {"max_output_tokens": 4}
+
+
+def test_a_traced_responses_request_is_a_chat_span_with_its_token_limit() -> None:
+    exporter = InMemorySpanExporter()
+    observer = TracingObserver(TracingSettings(), processor=SimpleSpanProcessor(exporter))
+    rec = RecordingObserver()
+    with serve_in_thread(create_sim_app(SimConfig())) as up:
+        with run_proxy(make_settings(("up", up + "/v1")), observer, rec) as url:
+            body = {"model": "sim-model", "input": "hi", "stream": True, "max_output_tokens": 3}
+            with httpx.stream("POST", url + "/v1/responses", json=body, timeout=30) as r:
+                r.read()
+            only(rec)
+    server = next(s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER)
+    attrs = dict(server.attributes or {})
+    assert server.name == "chat sim-model" and attrs["gen_ai.operation.name"] == "chat"
+    assert attrs["gen_ai.request.max_tokens"] == 3 and attrs["gen_ai.usage.output_tokens"] == 3
+    assert attrs["gen_ai.response.finish_reasons"] == ("max_output_tokens",)
 
 
 def test_bytes_pass_unchanged_and_no_stream_options_is_added() -> None:
