@@ -7,6 +7,7 @@ import random
 import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,7 +18,7 @@ from proxy.sim.config import sim_config_from_dict
 from proxy.tools import compare
 from proxy.tools.stats import RatioCI, bootstrap_ratio_ci, percentile, summarize
 from tests.conftest import serve_in_thread
-from tests.test_probe import closed_port, engine
+from tests.test_probe import closed_port, engine, run_probe
 
 # Each request's TTFT and TPOT vary by +-30% (as real ones do), so the CI has honest width.
 JITTER = 0.3
@@ -137,6 +138,46 @@ def test_sim_same_config_on_both_sides_shows_no_clear_difference(capsys: pytest.
         assert m["significant"] is False, m
         assert m["ci_low"] <= 1.0 <= m["ci_high"], m  # the 95% CI includes 1x
         assert "no clear difference (B/A " in m["verdict"]
+
+
+def test_one_engine_under_two_configs_run_in_turn(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # The engine is probed, restarted with the KV cache off, probed again; compare reads both runs.
+    prompts = [arg for p in SIM_PROMPTS for arg in ("--prompt", p)]
+    for name, kv in (("on", True), ("off", False)):
+        with sim_engine(kv_cache=kv) as url:
+            code, out, err = run_probe(
+                capsys, "--base-url", url, "--model", "sim-model", "-n", str(SIM_REQUESTS), "-c", "4",
+                "--max-tokens", "16", "--json", *prompts,
+            )  # fmt: skip
+        assert code == 0, err
+        (tmp_path / f"{name}.json").write_text(out)
+    runs = [str(tmp_path / "on.json"), str(tmp_path / "off.json")]
+    code, out, err = run_compare(capsys, "--runs", *runs, "--label-a", "on", "--label-b", "off", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["a"] == json.loads((tmp_path / "on.json").read_text())  # the saved run, as it was
+    tpot = report["metrics"]["tpot_s"]
+    assert tpot["ci_low"] > 1.0 and tpot["verdict"].startswith("TPOT ") and "higher in off" in tpot["verdict"]
+    code, text, _ = run_compare(capsys, "--runs", *runs)
+    assert code == 0 and "verdict:" in text and "TPOT " in text
+
+
+def test_runs_that_are_not_probe_output_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"target": {}, "summary": {}, "results": []}))
+    (tmp_path / "text.json").write_text("TTFT 0.2 s")
+    (tmp_path / "other.json").write_text(json.dumps({"requests": 3}))
+    (tmp_path / "bad.json").write_text(json.dumps({"target": {}, "summary": {}, "results": [{"nope": 1}]}))
+    for name, message in (
+        ("missing.json", "cannot read"),
+        ("text.json", "not JSON"),
+        ("other.json", "not the output of `infertap probe --json`"),
+        ("bad.json", "a result is malformed"),
+    ):
+        code, _, err = run_compare(capsys, "--runs", str(tmp_path / name), str(good))
+        assert code == 2 and message in err, (name, err)
+    code, _, err = run_compare(capsys, "--runs", str(good), str(good), "--a", "http://x/v1")
+    assert code == 2 and "leave out --a" in err
 
 
 def test_json_report_schema(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,11 +1,13 @@
 """`infertap compare`: the seed's A/B experiment (e.g. the same engine with the KV cache on and off).
 
-The same prompt set goes to target A and target B (two base URLs, or two models on one URL).
-Requests run in interleaved rounds: C requests to A, then C to B, and again, so a drift in
-the machine's load hits both sides alike. The report puts the TTFT and TPOT distributions side
-by side and gives, for each, the ratio of medians B/A with a bootstrap confidence interval
-(seeded, so a run can be reproduced) and a plain verdict: "TPOT 3.1x higher in B, 95% CI
-2.8-3.4x", or "no clear difference" when the interval includes 1x.
+The same prompt set goes to target A and target B (two base URLs, or two models on one URL), or
+two saved `infertap probe --json` runs are compared (one target under two configs, run in turn,
+e.g. an engine restarted with the KV cache off in between). Live requests run in interleaved
+rounds: C requests to A, then C to B, and again, so a drift in the machine's load hits both sides
+alike. The report puts the TTFT and TPOT distributions side by side and gives, for each, the ratio
+of medians B/A with a bootstrap confidence interval (seeded, so a run can be reproduced) and a
+plain verdict: "TPOT 3.1x higher in B, 95% CI 2.8-3.4x", or "no clear difference" when the
+interval includes 1x.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 from proxy.tools import plot
@@ -57,6 +59,10 @@ examples:
   infertap compare --a http://127.0.0.1:8001/v1 --b http://127.0.0.1:8002/v1 --model sim-model -n 30 -c 4
   # two models behind one base URL (e.g. infertap routing to two upstreams)
   infertap compare --base-url http://127.0.0.1:8080/v1 --model-a small --model-b large -n 20 --json
+  # one engine under two configs, run in turn: probe it, restart it with the other config, probe again
+  infertap probe -n 30 -c 4 --json > cache-on.json      # ... restart the engine with the KV cache off
+  infertap probe -n 30 -c 4 --json > cache-off.json
+  infertap compare --runs cache-on.json cache-off.json --label-a on --label-b off
 
 Verdicts use the ratio of medians B/A and its bootstrap CI ({resamples} resamples by default,
 seeded with --seed). "no clear difference" means the interval includes 1x, not that the two
@@ -78,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--b", metavar="URL", help="base URL of B (default: the same as A)")
     ab.add_argument("--model-a", metavar="NAME", help="model for A (default: --model)")
     ab.add_argument("--model-b", metavar="NAME", help="model for B (default: --model)")
+    ab.add_argument(
+        "--runs",
+        nargs=2,
+        metavar=("A_JSON", "B_JSON"),
+        help="compare two saved `infertap probe --json` runs instead of sending requests",
+    )
     ab.add_argument("--label-a", default="A", help="name of A in the report (default: A)")
     ab.add_argument("--label-b", default="B", help="name of B in the report (default: B)")
     add_target_arguments(parser)
@@ -103,6 +115,34 @@ def targets_from_args(args: argparse.Namespace) -> tuple[Target, Target]:
     a = replace(base, base_url=args.a or base.base_url, model=args.model_a or base.model)
     b = replace(base, base_url=args.b or a.base_url, model=args.model_b or base.model)
     return validate_target(a), validate_target(b)
+
+
+_RESULT_FIELDS = frozenset(f.name for f in fields(Result))
+
+
+def load_run(path: str) -> tuple[dict[str, Any], list[Result]]:
+    """A saved `infertap probe --json` run, and its per-request results."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            run = json.load(f)
+    except OSError as e:
+        raise ToolError(f"{path}: cannot read: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ToolError(f"{path}: not JSON ({e}): save a run with `infertap probe --json > FILE`") from None
+    if not (
+        isinstance(run, dict)
+        and isinstance(run.get("target"), dict)
+        and isinstance(run.get("summary"), dict)
+        and isinstance(run.get("results"), list)
+    ):
+        raise ToolError(
+            f"{path}: not the output of `infertap probe --json` (it needs target, summary, results)"
+        )
+    try:
+        results = [Result(**{k: v for k, v in r.items() if k in _RESULT_FIELDS}) for r in run["results"]]
+    except (AttributeError, TypeError) as e:
+        raise ToolError(f"{path}: a result is malformed: {e}") from None
+    return run, results
 
 
 # -- statistics and verdicts ------------------------------------------------------------------
@@ -242,13 +282,20 @@ def main(argv: list[str]) -> int:
             raise ToolError("--bootstrap must be at least 1")
         if not 0 < args.confidence < 1:
             raise ToolError("--confidence must be between 0 and 1, e.g. 0.95")
-        a, b = targets_from_args(args)
-        prompts = prompts_from_args(args)
         if args.plot:
             plot.check_output(args.plot)
-        a, b, ra, rb, busy = asyncio.run(
-            _compare(a, b, prompts, args.requests, args.concurrency, not args.no_warmup)
-        )
+        if args.runs:
+            if args.a or args.b or args.model_a or args.model_b:
+                raise ToolError("--runs compares saved runs: leave out --a, --b, --model-a and --model-b")
+            (run_a, ra), (run_b, rb) = load_run(args.runs[0]), load_run(args.runs[1])
+        else:
+            a, b = targets_from_args(args)
+            prompts = prompts_from_args(args)
+            a, b, ra, rb, busy = asyncio.run(
+                _compare(a, b, prompts, args.requests, args.concurrency, not args.no_warmup)
+            )
+            run_a = run_json(a, ra, busy["a"], args.concurrency)
+            run_b = run_json(b, rb, busy["b"], args.concurrency)
     except ToolError as e:
         print(f"infertap compare: {e}", file=sys.stderr)
         return 2
@@ -260,8 +307,8 @@ def main(argv: list[str]) -> int:
         return 1
     report = {
         "labels": {"a": args.label_a, "b": args.label_b},
-        "a": run_json(a, ra, busy["a"], args.concurrency),
-        "b": run_json(b, rb, busy["b"], args.concurrency),
+        "a": run_a,
+        "b": run_b,
         "bootstrap": {
             "statistic": "median",
             "resamples": args.bootstrap,
