@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -104,7 +105,11 @@ def embedded_engine(settings: Settings) -> Iterator[str]:
     cmd = [sys.executable, "-m", "proxy", "sim", "--host", "127.0.0.1", "--port", "0"]
     if settings.sim_config:
         cmd += ["--config", settings.sim_config]
-    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    # --exit-with-stdin: the child stops when this pipe closes, which happens however this process
+    # ends (even SIGKILL), so no simulated engine outlives its proxy.
+    child = subprocess.Popen(
+        [*cmd, "--exit-with-stdin"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout is not None
         line = child.stdout.readline()
@@ -113,6 +118,8 @@ def embedded_engine(settings: Settings) -> Iterator[str]:
         yield line[len(_SIM_READY) :].strip()
     finally:
         child.terminate()
+        assert child.stdin is not None
+        child.stdin.close()
         try:
             child.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -186,8 +193,19 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+class _Terminated(Exception):
+    """SIGTERM arrived. uvicorn shuts down gracefully on it and then raises the signal again; under
+    the default disposition that would end the process at once and skip the cleanup in main (the
+    embedded engine, the multiprocess metrics directory). As an exception, the `finally` blocks run."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     _raise_fd_limit()
     logging.basicConfig(
         level=(args.log_level or "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -211,3 +229,8 @@ def main(argv: list[str]) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except _Terminated:
+        # Cleaned up: now end by the signal itself, which is what a service manager expects.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+        return 128 + signal.SIGTERM  # not reached

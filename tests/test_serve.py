@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -96,6 +97,36 @@ def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
     return subprocess.run(
         [sys.executable, "-m", "proxy", "serve", *args], capture_output=True, text=True, timeout=60, env=env
     )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited already
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from /proc")
+@pytest.mark.parametrize(
+    ("sig", "exit_code"),
+    [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 130), (signal.SIGKILL, -signal.SIGKILL)],
+    ids=["SIGTERM", "SIGINT", "SIGKILL"],
+)
+def test_the_embedded_engine_never_outlives_the_proxy(sig: signal.Signals, exit_code: int) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("INFERTAP_", "TAOTOKEN_"))}
+    with serve_process(env=env) as (base, proc):
+        wait_until(lambda: httpx.get(f"{base}/readyz").status_code == 200, 30, "the embedded engine")
+        (sim,) = _children(proc.pid)
+        proc.send_signal(sig)
+        code = proc.wait(timeout=20)
+        # However the proxy ends (a service manager's SIGTERM, Ctrl-C, even SIGKILL), its engine goes too.
+        wait_until(lambda: not _alive(sim), 15, "the embedded engine to exit")
+    assert code == exit_code
 
 
 def test_a_wrong_config_names_the_field_without_a_traceback(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import socket
 import sys
+import threading
 from typing import Any
 
 import uvicorn
@@ -58,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--output-tokens", type=int, metavar="N", help="answer length ([sim] default_output_tokens)"
     )
+    # For `infertap serve`, which holds the other end of our stdin: stop when it goes away.
+    p.add_argument("--exit-with-stdin", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -96,6 +99,15 @@ async def _serve(server: uvicorn.Server) -> None:
     await task
 
 
+def _exit_on_stdin_eof(server: uvicorn.Server) -> None:
+    def wait() -> None:
+        while sys.stdin.buffer.read(4096):
+            pass
+        server.should_exit = True
+
+    threading.Thread(target=wait, name="infertap-sim-stdin-watch", daemon=True).start()
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -114,6 +126,8 @@ def main(argv: list[str]) -> int:
             timeout_graceful_shutdown=3,  # open streams get 3 s, then go (serve kills us after 5)
         )
     )
+    if args.exit_with_stdin:
+        _exit_on_stdin_eof(server)
     try:
         asyncio.run(_serve(server))
     except SystemExit as e:  # uvicorn exits this way when it cannot bind
