@@ -38,6 +38,8 @@ from proxy.sse import ResponsesScanner, SSEScanner, StreamFacts, error_event
 from proxy.upstream import RETRYABLE_STATUS, ErrorKind, Router, Upstream, classify, describe
 
 log = logging.getLogger("infertap.forward")
+# Generation routes whose streams are not chat-completion-like.
+_SCANNERS: dict[str, type[SSEScanner]] = {"responses": ResponsesScanner}
 
 # Failures that say the upstream is unwell (they count towards its circuit breaker).
 _UNHEALTHY = frozenset(
@@ -387,8 +389,7 @@ class Forwarder:
                 if not (generation_stream and status == 200 and is_sse):
                     ready = _Ready(resp, chunks)
                     return ready
-                scanner_type = ResponsesScanner if ex.route == "responses" else SSEScanner
-                scanner = scanner_type(
+                scanner = _SCANNERS.get(ex.route, SSEScanner)(
                     strip_usage_only=ex.usage_injected, capture_chars=ex.capture_output_chars
                 )
                 ready = await self._until_first_output(resp, chunks, scanner)
@@ -461,8 +462,10 @@ class Forwarder:
                     outcome = Outcome.UPSTREAM_ERROR
                 elif not facts.done:
                     outcome = Outcome.STREAM_INTERRUPTED
-                    end = "response.completed" if ex.route == "responses" else "[DONE]"
-                    msg = f"upstream '{ex.upstream}' ended the stream without {end}: the answer is incomplete"
+                    msg = (
+                        f"upstream '{ex.upstream}' ended the stream without {ready.scanner.END}: "
+                        "the answer is incomplete"
+                    )
                     await send(
                         {
                             "type": "http.response.body",

@@ -78,6 +78,7 @@ class SSEScanner:
     """
 
     __slots__ = ("_tail", "_strip_usage_only", "facts")
+    END = "[DONE]"  # what a complete stream ends with, for the message when it does not
 
     def __init__(self, strip_usage_only: bool = False, capture_chars: int = 0) -> None:
         self._tail = bytearray()
@@ -196,6 +197,7 @@ class ResponsesScanner(SSEScanner):
     """
 
     __slots__ = ()
+    END = "response.completed"
 
     def _inspect(self, event: bytes) -> tuple[int, bool]:
         facts = self.facts
