@@ -19,7 +19,8 @@ import pytest
 
 from proxy.asgi import Receive, Scope, Send
 from proxy.tools import probe
-from proxy.tools.client import DEFAULT_PROMPT, Progress, Result
+from proxy.tools.client import Progress, Result
+from proxy.tools.target import DEFAULT_PROMPT
 from tests.conftest import serve_in_thread
 
 ROOT = Path(__file__).resolve().parent.parent

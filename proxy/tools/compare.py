@@ -22,19 +22,7 @@ from dataclasses import fields, replace
 from typing import Any
 
 from proxy.tools import plot
-from proxy.tools.client import (
-    Progress,
-    Result,
-    Target,
-    ToolError,
-    add_target_arguments,
-    make_client,
-    prepare,
-    prompts_from_args,
-    run_many,
-    target_from_args,
-    validate_target,
-)
+from proxy.tools.client import Progress, Result, make_client, prepare, run_many
 from proxy.tools.probe import (
     TOKEN_SOURCE_TEXT,
     add_chart_arguments,
@@ -46,6 +34,14 @@ from proxy.tools.probe import (
     run_json,
 )
 from proxy.tools.stats import RatioCI, bootstrap_ratio_ci
+from proxy.tools.target import (
+    Target,
+    ToolError,
+    add_target_arguments,
+    prompts_from_args,
+    target_from_args,
+    validate_target,
+)
 
 METRICS: tuple[tuple[str, str, int], ...] = (
     ("TTFT", "ttft_s", 3),

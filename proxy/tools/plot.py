@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from proxy.tools.client import ToolError
 from proxy.tools.histogram import bin_count
 from proxy.tools.stats import percentile
+from proxy.tools.target import ToolError
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

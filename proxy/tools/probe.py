@@ -18,20 +18,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from proxy.tools import plot
-from proxy.tools.client import (
-    Progress,
-    Result,
+from proxy.tools.client import Progress, Result, make_client, prepare, run_many
+from proxy.tools.histogram import histograms
+from proxy.tools.stats import summarize
+from proxy.tools.target import (
     Target,
     ToolError,
     add_target_arguments,
-    make_client,
-    prepare,
     prompts_from_args,
-    run_many,
     target_from_args,
 )
-from proxy.tools.histogram import histograms
-from proxy.tools.stats import summarize
 
 _EPILOG = """\
 examples:
