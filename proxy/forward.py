@@ -1,5 +1,7 @@
 """The streaming core: attempts across upstreams, commit, relay, exactly one terminal hook.
 
+(One attempt, up to its commit point, is proxy.attempt's; relaying a committed answer, proxy.relay's.)
+
 No Prometheus and no OpenTelemetry here (lint enforces it): observers turn the Exchange into those.
 
 Nothing reaches the client before an attempt is committed. A generation stream is committed at
@@ -12,34 +14,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import orjson
 
 from proxy.asgi import BodyTooLarge, ClientGone, RawHeaders, Receive, Scope, Send, read_body, send_error
+from proxy.attempt import Attempter, Call, Failure, Ready
 from proxy.exchange import Exchange, Outcome, prompt_class
 from proxy.observer import ObserverSet
 from proxy.relay import relay_body, relay_sse, response_headers, stamp_outputs, status_outcome, take_facts
 from proxy.request import (
     COMPLETION_ROUTES,
     DROP_REQUEST,
-    GENERATION_ROUTES,
     JSON_ROUTES,
     RequestIds,
     RequestRejected,
     parse_request,
     prompt_chars,
-    retry_after,
 )
-from proxy.sse import ResponsesScanner, SSEScanner, StreamFacts, error_event
-from proxy.upstream import RETRYABLE_STATUS, ErrorKind, Router, Upstream, classify, describe
+from proxy.sse import StreamFacts, error_event
+from proxy.upstream import ErrorKind, Router, Upstream, classify, describe
 
 log = logging.getLogger("infertap.forward")
-# Generation routes whose streams are not chat-completion-like.
-_SCANNERS: dict[str, type[SSEScanner]] = {"responses": ResponsesScanner}
 
 # Failures that say the upstream is unwell (they count towards its circuit breaker).
 _UNHEALTHY = frozenset(
@@ -54,42 +51,6 @@ _UNHEALTHY = frozenset(
 )
 
 
-@dataclass(slots=True)
-class _Call:
-    """What one proxied request needs across its attempts."""
-
-    ex: Exchange
-    upstream: Upstream
-    suffix: str
-    headers: dict[str, str]
-    body: bytes
-    original_body: bytes
-    rid: RawHeaders
-    committed: bool = False
-
-
-@dataclass(slots=True)
-class _Ready:
-    """An attempt whose answer will be relayed."""
-
-    resp: aiohttp.ClientResponse
-    chunks: AsyncIterator[bytes]
-    scanner: SSEScanner | None = None
-    pending: list[bytes] = field(default_factory=list)
-    outputs: int = 0
-    prefetched: bytes | None = None
-
-
-@dataclass(slots=True)
-class _Failure:
-    """An attempt that failed before anything was sent to the client."""
-
-    kind: ErrorKind
-    status: int
-    message: str
-    wait: float | None = None
-
-
 class Forwarder:
     def __init__(
         self,
@@ -101,15 +62,13 @@ class Forwarder:
         max_concurrency: int = 0,
     ) -> None:
         self.router = router
-        self.client = client
+        self.attempter = Attempter(client, observers)
         self.observers = observers
         self.max_body_bytes = max_body_bytes
         self.prompt_class_bounds = prompt_class_bounds
         self.max_concurrency = max_concurrency
         self.active = 0
         self.request_id = RequestIds()
-        # Upstreams that answered 400 to stream_options: infertap stops injecting it there.
-        self.no_stream_options: set[str] = set()
 
     # -- request intake ---------------------------------------------------------------------
     async def handle(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
@@ -167,7 +126,7 @@ class Forwarder:
             name = k.decode("latin-1")
             if name not in DROP_REQUEST:
                 headers[name] = v.decode("latin-1")
-        call = _Call(ex, upstream, suffix, headers, body, parsed.body, rid)
+        call = Call(ex, upstream, suffix, headers, body, parsed.body, rid)
         self.observers.request_received(ex)
         self.active += 1
         try:
@@ -194,7 +153,7 @@ class Forwarder:
         opts = obj.get("stream_options")
         if isinstance(opts, dict) and "include_usage" in opts:
             return body
-        if up.name in self.no_stream_options or (opts is not None and not isinstance(opts, dict)):
+        if up.name in self.attempter.no_stream_options or (opts is not None and not isinstance(opts, dict)):
             return body
         ex.usage_injected = True
         return orjson.dumps({**obj, "stream_options": {**(opts or {}), "include_usage": True}})
@@ -219,7 +178,7 @@ class Forwarder:
             self.observers.failed(ex)
 
     # -- the request's lifetime: disconnects and the total deadline -------------------------
-    async def _guarded(self, receive: Receive, send: Send, call: _Call) -> None:
+    async def _guarded(self, receive: Receive, send: Send, call: Call) -> None:
         """Runs the exchange while a watcher cancels it the moment the client goes away.
 
         The cancellation reaches whatever is awaited (connect, the wait for headers, a read),
@@ -272,7 +231,7 @@ class Forwarder:
             watcher.cancel()
 
     # -- attempts, fallback, circuit --------------------------------------------------------
-    async def _exchange(self, send: Send, call: _Call, watcher: asyncio.Task[None]) -> None:
+    async def _exchange(self, send: Send, call: Call, watcher: asyncio.Task[None]) -> None:
         ex = call.ex
         now = time.monotonic()
         plan = [up for up in self.router.plan(call.upstream) if up.breaker.allow(now)]
@@ -291,13 +250,13 @@ class Forwarder:
             )
             self._end(ex, Outcome.UPSTREAM_ERROR, 503, msg)
             return
-        failure: _Failure | None = None
+        failure: Failure | None = None
         for i, up in enumerate(plan):
             policy = up.retry
             for attempt in range(1, policy.max_attempts + 1):
                 last = i == len(plan) - 1 and attempt == policy.max_attempts
-                result = await self._attempt(call, up, last)
-                if isinstance(result, _Ready):
+                result = await self.attempter.run(call, up, last)
+                if isinstance(result, Ready):
                     self._health(ex, up, result.resp.status < 500)
                     await self._commit(send, call, result, watcher)
                     return
@@ -329,110 +288,8 @@ class Forwarder:
         if delay > 0:
             await asyncio.sleep(delay)
 
-    def _headers_for(self, call: _Call, up: Upstream) -> dict[str, str]:
-        headers = dict(call.headers)
-        headers.update(up.headers)
-        headers["accept-encoding"] = "identity"
-        headers["x-request-id"] = call.ex.request_id
-        if up.api_key:
-            headers["authorization"] = f"Bearer {up.api_key}"
-        return headers
-
-    async def _attempt(self, call: _Call, up: Upstream, last: bool) -> _Ready | _Failure:
-        """One upstream attempt, up to the point where its answer can be committed."""
-        ex, obs = call.ex, self.observers
-        ex.attempts += 1
-        ex.upstream = up.name
-        ex.upstream_url = up.display_url
-        ex.upstream_headers = self._headers_for(call, up)
-        ex.attempt_started_at = time.perf_counter()
-        obs.attempt_started(ex)
-        generation_stream = ex.stream and ex.route in GENERATION_ROUTES
-        resp: aiohttp.ClientResponse | None = None
-        ready: _Ready | None = None
-        try:
-            async with asyncio.timeout(up.ttft_timeout if generation_stream else None):
-                resp = await self.client.request(
-                    ex.method,
-                    up.url(call.suffix),
-                    headers=ex.upstream_headers,
-                    data=call.body or None,
-                    timeout=up.timeout,
-                    allow_redirects=False,
-                )
-                ex.status_code = status = resp.status
-                ex.first_byte_at = time.perf_counter()
-                obs.first_byte(ex)
-                if status in RETRYABLE_STATUS and not last:
-                    kind = ErrorKind.UPSTREAM_429 if status == 429 else ErrorKind.UPSTREAM_5XX
-                    return _Failure(
-                        kind,
-                        status,
-                        f"upstream '{up.name}' answered HTTP {status}",
-                        retry_after(resp.headers.get("retry-after")),
-                    )
-                if status == 400 and ex.usage_injected:
-                    content = await resp.read()
-                    if b"stream_options" in content:
-                        # This upstream rejects stream_options: ask again without it, and remember.
-                        self.no_stream_options.add(up.name)
-                        ex.usage_injected = False
-                        call.body = call.original_body
-                        resp.release()
-                        resp = None
-                        ex.attempts -= 1
-                        return await self._attempt(call, up, last)
-                    ready = _Ready(resp, _empty(), prefetched=content)
-                    return ready
-                chunks = resp.content.iter_any()
-                is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-                if not (generation_stream and status == 200 and is_sse):
-                    ready = _Ready(resp, chunks)
-                    return ready
-                scanner = _SCANNERS.get(ex.route, SSEScanner)(
-                    strip_usage_only=ex.usage_injected, capture_chars=ex.capture_output_chars
-                )
-                ready = await self._until_first_output(resp, chunks, scanner)
-                return ready
-        except aiohttp.ClientError as e:  # before TimeoutError: aiohttp's timeouts are TimeoutErrors too
-            kind = classify(e)
-            if kind is ErrorKind.IDLE_TIMEOUT:
-                kind = ErrorKind.TTFT_TIMEOUT  # nothing relayed yet: still waiting for the first token
-            status = 504 if kind in (ErrorKind.CONNECT_TIMEOUT, ErrorKind.TTFT_TIMEOUT) else 502
-            what = {
-                ErrorKind.CONNECT_ERROR: "is unreachable",
-                ErrorKind.CONNECT_TIMEOUT: "did not accept a connection in time",
-                ErrorKind.TTFT_TIMEOUT: "did not answer in time",
-            }.get(kind, "failed before the first token")
-            return _Failure(kind, status, f"upstream '{up.name}' ({ex.upstream_url}) {what}: {describe(e)}")
-        except TimeoutError:
-            return _Failure(
-                ErrorKind.TTFT_TIMEOUT,
-                504,
-                f"upstream '{up.name}' ({ex.upstream_url}) sent no token within the "
-                f"ttft timeout of {up.ttft_timeout} s",
-            )
-        finally:
-            if resp is not None and ready is None:
-                resp.close()  # unread: drop the connection rather than return it to the pool
-
-    @staticmethod
-    async def _until_first_output(
-        resp: aiohttp.ClientResponse, chunks: AsyncIterator[bytes], scanner: SSEScanner
-    ) -> _Ready:
-        """Reads a generation stream until its first output event (or its end), holding the bytes."""
-        ready = _Ready(resp, chunks, scanner)
-        async for data in chunks:
-            out, outputs = scanner.feed(data)
-            if out:
-                ready.pending.append(out)
-            if outputs or scanner.facts.done or scanner.facts.error_events:
-                ready.outputs = outputs
-                break
-        return ready
-
     # -- commit and relay -------------------------------------------------------------------
-    async def _commit(self, send: Send, call: _Call, ready: _Ready, watcher: asyncio.Task[None]) -> None:
+    async def _commit(self, send: Send, call: Call, ready: Ready, watcher: asyncio.Task[None]) -> None:
         ex, resp = call.ex, ready.resp
         is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
         facts = StreamFacts()
@@ -507,8 +364,3 @@ class Forwarder:
         watcher.cancel()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         self._end(ex, outcome)
-
-
-async def _empty() -> AsyncIterator[bytes]:
-    return
-    yield b""  # pragma: no cover - makes this an async generator

@@ -1,0 +1,177 @@
+"""One upstream attempt, up to the point where its answer can be committed to the client.
+
+An attempt sends the request and turns whatever goes wrong into a closed `ErrorKind` with a
+message. For a generation stream it reads on until the first output event, holding the bytes:
+a stall or a failure before the first token is then still invisible to the client, so the
+forwarder can retry it or fall back to another upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from proxy.asgi import RawHeaders
+from proxy.exchange import Exchange
+from proxy.observer import ObserverSet
+from proxy.request import GENERATION_ROUTES, retry_after
+from proxy.sse import ResponsesScanner, SSEScanner
+from proxy.upstream import RETRYABLE_STATUS, ErrorKind, Upstream, classify, describe
+
+# Generation routes whose streams are not chat-completion-like.
+SCANNERS: dict[str, type[SSEScanner]] = {"responses": ResponsesScanner}
+
+
+@dataclass(slots=True)
+class Call:
+    """What one proxied request needs across its attempts."""
+
+    ex: Exchange
+    upstream: Upstream
+    suffix: str
+    headers: dict[str, str]
+    body: bytes
+    original_body: bytes
+    rid: RawHeaders
+    committed: bool = False
+
+
+@dataclass(slots=True)
+class Ready:
+    """An attempt whose answer will be relayed."""
+
+    resp: aiohttp.ClientResponse
+    chunks: AsyncIterator[bytes]
+    scanner: SSEScanner | None = None
+    pending: list[bytes] = field(default_factory=list)
+    outputs: int = 0
+    prefetched: bytes | None = None
+
+
+@dataclass(slots=True)
+class Failure:
+    """An attempt that failed before anything was sent to the client."""
+
+    kind: ErrorKind
+    status: int
+    message: str
+    wait: float | None = None
+
+
+class Attempter:
+    def __init__(self, client: aiohttp.ClientSession, observers: ObserverSet) -> None:
+        self.client = client
+        self.observers = observers
+        # Upstreams that answered 400 to stream_options: infertap stops injecting it there.
+        self.no_stream_options: set[str] = set()
+
+    def headers_for(self, call: Call, up: Upstream) -> dict[str, str]:
+        headers = dict(call.headers)
+        headers.update(up.headers)
+        headers["accept-encoding"] = "identity"
+        headers["x-request-id"] = call.ex.request_id
+        if up.api_key:
+            headers["authorization"] = f"Bearer {up.api_key}"
+        return headers
+
+    async def run(self, call: Call, up: Upstream, last: bool) -> Ready | Failure:
+        """One upstream attempt, up to the point where its answer can be committed."""
+        ex, obs = call.ex, self.observers
+        ex.attempts += 1
+        ex.upstream = up.name
+        ex.upstream_url = up.display_url
+        ex.upstream_headers = self.headers_for(call, up)
+        ex.attempt_started_at = time.perf_counter()
+        obs.attempt_started(ex)
+        generation_stream = ex.stream and ex.route in GENERATION_ROUTES
+        resp: aiohttp.ClientResponse | None = None
+        ready: Ready | None = None
+        try:
+            async with asyncio.timeout(up.ttft_timeout if generation_stream else None):
+                resp = await self.client.request(
+                    ex.method,
+                    up.url(call.suffix),
+                    headers=ex.upstream_headers,
+                    data=call.body or None,
+                    timeout=up.timeout,
+                    allow_redirects=False,
+                )
+                ex.status_code = status = resp.status
+                ex.first_byte_at = time.perf_counter()
+                obs.first_byte(ex)
+                if status in RETRYABLE_STATUS and not last:
+                    kind = ErrorKind.UPSTREAM_429 if status == 429 else ErrorKind.UPSTREAM_5XX
+                    return Failure(
+                        kind,
+                        status,
+                        f"upstream '{up.name}' answered HTTP {status}",
+                        retry_after(resp.headers.get("retry-after")),
+                    )
+                if status == 400 and ex.usage_injected:
+                    content = await resp.read()
+                    if b"stream_options" in content:
+                        # This upstream rejects stream_options: ask again without it, and remember.
+                        self.no_stream_options.add(up.name)
+                        ex.usage_injected = False
+                        call.body = call.original_body
+                        resp.release()
+                        resp = None
+                        ex.attempts -= 1
+                        return await self.run(call, up, last)
+                    ready = Ready(resp, _empty(), prefetched=content)
+                    return ready
+                chunks = resp.content.iter_any()
+                is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+                if not (generation_stream and status == 200 and is_sse):
+                    ready = Ready(resp, chunks)
+                    return ready
+                scanner = SCANNERS.get(ex.route, SSEScanner)(
+                    strip_usage_only=ex.usage_injected, capture_chars=ex.capture_output_chars
+                )
+                ready = await self._until_first_output(resp, chunks, scanner)
+                return ready
+        except aiohttp.ClientError as e:  # before TimeoutError: aiohttp's timeouts are TimeoutErrors too
+            kind = classify(e)
+            if kind is ErrorKind.IDLE_TIMEOUT:
+                kind = ErrorKind.TTFT_TIMEOUT  # nothing relayed yet: still waiting for the first token
+            status = 504 if kind in (ErrorKind.CONNECT_TIMEOUT, ErrorKind.TTFT_TIMEOUT) else 502
+            what = {
+                ErrorKind.CONNECT_ERROR: "is unreachable",
+                ErrorKind.CONNECT_TIMEOUT: "did not accept a connection in time",
+                ErrorKind.TTFT_TIMEOUT: "did not answer in time",
+            }.get(kind, "failed before the first token")
+            return Failure(kind, status, f"upstream '{up.name}' ({ex.upstream_url}) {what}: {describe(e)}")
+        except TimeoutError:
+            return Failure(
+                ErrorKind.TTFT_TIMEOUT,
+                504,
+                f"upstream '{up.name}' ({ex.upstream_url}) sent no token within the "
+                f"ttft timeout of {up.ttft_timeout} s",
+            )
+        finally:
+            if resp is not None and ready is None:
+                resp.close()  # unread: drop the connection rather than return it to the pool
+
+    @staticmethod
+    async def _until_first_output(
+        resp: aiohttp.ClientResponse, chunks: AsyncIterator[bytes], scanner: SSEScanner
+    ) -> Ready:
+        """Reads a generation stream until its first output event (or its end), holding the bytes."""
+        ready = Ready(resp, chunks, scanner)
+        async for data in chunks:
+            out, outputs = scanner.feed(data)
+            if out:
+                ready.pending.append(out)
+            if outputs or scanner.facts.done or scanner.facts.error_events:
+                ready.outputs = outputs
+                break
+        return ready
+
+
+async def _empty() -> AsyncIterator[bytes]:
+    return
+    yield b""  # pragma: no cover - makes this an async generator
