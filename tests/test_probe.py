@@ -18,10 +18,12 @@ from typing import Any
 import pytest
 
 from proxy.asgi import Receive, Scope, Send
+from proxy.sim import create_sim_app
+from proxy.sim.config import sim_config_from_dict
 from proxy.tools import probe
 from proxy.tools.client import Progress, Result
 from proxy.tools.target import DEFAULT_PROMPT
-from tests.conftest import serve_in_thread
+from tests.conftest import make_settings, run_proxy, serve_in_thread
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED_SETTINGS = ROOT / "examples" / "settings.json"
@@ -184,6 +186,38 @@ def test_reports_the_servers_ttft_and_tpot_within_20_percent(capsys: pytest.Capt
         assert r["tpot_s"] == pytest.approx((r["total_s"] - r["ttft_s"]) / 19)
         assert r["tps"] == pytest.approx(1 / r["tpot_s"])
         assert r["prompt_tokens"] == 7 and r["finish_reason"] == "length" and r["attempts"] == 1
+
+
+@pytest.mark.parametrize(
+    ("sim", "ttft", "tpot"),
+    [
+        # Fixed timings ([sim] fixed_ttft_ms / fixed_tpot_ms).
+        ({"fixed_ttft_ms": 200.0, "fixed_tpot_ms": 20.0}, 0.200, 0.020),
+        # The timing model itself: one prefill step of 150 ms, then decode steps of 30 ms.
+        (
+            {"prefill_base_ms": 150.0, "prefill_ms_per_token": 0.0, "decode_step_ms": 30.0,
+             "decode_ms_per_running_seq": 0.0},
+            0.150,
+            0.030,
+        ),
+    ],
+    ids=["fixed", "modelled"],
+)  # fmt: skip
+def test_through_infertap_in_front_of_the_sim_within_20_percent(
+    capsys: pytest.CaptureFixture[str], sim: dict[str, float], ttft: float, tpot: float
+) -> None:
+    config = sim_config_from_dict({"sim": {**sim, "default_output_tokens": 20}})
+    with serve_in_thread(create_sim_app(config)) as up, run_proxy(make_settings(("sim", up + "/v1"))) as url:
+        code, out, err = run_probe(capsys, "--base-url", url + "/v1", "-n", "5", "-c", "1", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    s = report["summary"]
+    assert report["target"]["model"] == "sim-model"  # found through infertap's GET /v1/models
+    assert within(s["ttft_s"]["p50"], ttft), s["ttft_s"]
+    assert within(s["tpot_s"]["p50"], tpot), s["tpot_s"]
+    assert all(
+        r["ok"] and r["output_tokens"] == 20 and r["token_source"] == "usage" for r in report["results"]
+    )
 
 
 def test_one_request_prints_like_the_seed(capsys: pytest.CaptureFixture[str]) -> None:
