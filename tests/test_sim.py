@@ -373,6 +373,18 @@ def test_greedy_without_repetition_penalty_loops() -> None:
         assert _text(client, seed=5) == _text(client, seed=5) != _text(client, seed=6)
 
 
+def test_a_run_is_deterministic_under_the_engine_seed() -> None:
+    def run(seed: int) -> list[str]:
+        config = make_config(sim={"decode_step_ms": 0.5, "seed": seed})
+        with sim_server(config) as base, httpx.Client(base_url=base) as client:
+            return [_text(client, temperature=0.7) for _ in range(3)]  # unseeded, sampled requests
+
+    first = run(1)
+    assert len(set(first)) == 3  # each request of a run differs ...
+    assert run(1) == first  # ... but the same run under the same seed gives the same texts
+    assert run(2) != first
+
+
 def test_stop_string_ends_the_answer() -> None:
     with sim_server(QUICK) as base, httpx.Client(base_url=base) as client:
         words = _text(client, temperature=0).split()
