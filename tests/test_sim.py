@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -275,14 +276,16 @@ async def _concurrent(
 ) -> list[dict[str, Any]]:
     async def one(client: httpx.AsyncClient) -> dict[str, Any]:
         t0 = time.perf_counter()
-        first = None
+        first = last = None
         count = 0
         async with client.stream("POST", "/chat/completions", json=body, headers=headers) as r:
             async for line in r.aiter_lines():
                 if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
-                    first = first or time.perf_counter() - t0
+                    last = time.perf_counter() - t0
+                    first = first or last
                     count += 1
-        return {"ttft": first, "tokens": count}
+        tpot = (last - first) / (count - 1) if first is not None and last is not None and count > 1 else None
+        return {"ttft": first, "tokens": count, "tpot": tpot}
 
     limits = httpx.Limits(max_connections=n + 10)
     async with httpx.AsyncClient(base_url=base, limits=limits, timeout=30) as client:
@@ -300,6 +303,17 @@ def test_ttft_rises_with_load_beyond_max_num_seqs() -> None:
         m = metrics(base)
         assert m["vllm:request_queue_time_seconds_sum"] > 0
         assert m["vllm:num_requests_waiting"] == 0 and m["vllm:num_requests_running"] == 0
+
+
+def test_tpot_rises_with_the_number_of_running_sequences() -> None:
+    # A decode step costs 5 ms + 5 ms per running sequence: ~10 ms alone, ~85 ms among 16.
+    config = make_config(sim={"decode_step_ms": 5.0, "decode_ms_per_running_seq": 5.0})
+    body = chat_body("decode with company", stream=True)
+    with sim_server(config) as base:
+        (alone,) = asyncio.run(_concurrent(base, 1, body, {"x-sim-output-tokens": "20"}))
+        crowd = asyncio.run(_concurrent(base, 16, body, {"x-sim-output-tokens": "20"}))
+    assert all(r["tokens"] == 20 for r in (alone, *crowd))
+    assert statistics.median(r["tpot"] for r in crowd) > 3 * alone["tpot"]
 
 
 def _tpots(base: str) -> tuple[float, float]:
