@@ -220,6 +220,23 @@ def test_through_infertap_in_front_of_the_sim_within_20_percent(
     )
 
 
+def test_the_responses_api_through_infertap_in_front_of_the_sim(capsys: pytest.CaptureFixture[str]) -> None:
+    config = sim_config_from_dict({"sim": {"fixed_ttft_ms": 200.0, "fixed_tpot_ms": 20.0}})
+    with serve_in_thread(create_sim_app(config)) as up, run_proxy(make_settings(("sim", up + "/v1"))) as url:
+        argv = ["--base-url", url + "/v1", "--api", "responses", "--max-tokens", "12", "-n", "3", "--json"]
+        code, out, err = run_probe(capsys, *argv)
+    assert code == 0, err
+    report = json.loads(out)
+    s = report["summary"]
+    assert report["target"]["api"] == "responses"
+    assert within(s["ttft_s"]["p50"], 0.200), s["ttft_s"]
+    assert within(s["tpot_s"]["p50"], 0.020), s["tpot_s"]
+    for r in report["results"]:
+        # max_output_tokens=12 cut each answer: the usage and the reason come from response.incomplete.
+        assert r["ok"] and r["output_tokens"] == 12 and r["token_source"] == "usage"
+        assert r["prompt_tokens"] is not None and r["finish_reason"] == "max_output_tokens"
+
+
 def test_one_request_prints_like_the_seed(capsys: pytest.CaptureFixture[str]) -> None:
     with engine(ttft_s=0.200, tpot_s=0.020, tokens=20) as (app, url):
         code, out, _ = run_probe(capsys, "--base-url", url, "--model", "test-model")
@@ -272,6 +289,7 @@ def test_n_requests_at_concurrency_report_percentiles(capsys: pytest.CaptureFixt
         "model": "test-model",
         "api_key_env": "TAOTOKEN_API_KEY",
         "api_key_set": False,
+        "api": "chat",
     }
 
 

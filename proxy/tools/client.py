@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 
-from proxy.sse import SSEScanner, event_data
+from proxy.sse import ResponsesScanner, SSEScanner, event_data
 from proxy.tools.target import DEFAULT_KEY_ENV, Target, ToolError
 
 MAX_BACKOFF_S = 30.0
@@ -108,6 +108,9 @@ def _headers(target: Target) -> dict[str, str]:
 
 def _body(target: Target, prompt: str) -> dict[str, Any]:
     body: dict[str, Any] = dict(target.params)
+    if target.api == "responses":  # usage always comes, in response.completed
+        body.update(model=target.model, input=prompt, max_output_tokens=target.max_tokens, stream=True)
+        return body
     body.update(
         model=target.model,
         messages=[{"role": "user", "content": prompt}],
@@ -179,7 +182,7 @@ async def measure_one(client: httpx.AsyncClient, target: Target, prompt: str, in
 async def _attempt(client: httpx.AsyncClient, target: Target, prompt: str, result: Result) -> None:
     url = target.url
     got_headers = False
-    scanner = SSEScanner()
+    scanner = ResponsesScanner() if target.api == "responses" else SSEScanner()
     started = time.perf_counter()
     try:
         async with client.stream("POST", url, json=_body(target, prompt), headers=_headers(target)) as resp:
@@ -218,12 +221,12 @@ async def _attempt(client: httpx.AsyncClient, target: Target, prompt: str, resul
         raise _Failure("no_output", "the stream ended without any output text", result.status)
     result.total_s = ended - started
     usage = facts.usage or {}
-    completion = usage.get("completion_tokens")
+    completion = usage.get("completion_tokens", usage.get("output_tokens"))
     if isinstance(completion, int) and completion > 0:
         result.output_tokens, result.token_source = completion, "usage"
     else:
         result.output_tokens, result.token_source = result.content_events, "counted"
-    prompt_tokens = usage.get("prompt_tokens")
+    prompt_tokens = usage.get("prompt_tokens", usage.get("input_tokens"))
     result.prompt_tokens = prompt_tokens if isinstance(prompt_tokens, int) else None
     result.finish_reason = facts.finish_reasons[-1] if facts.finish_reasons else None
 

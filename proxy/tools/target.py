@@ -42,14 +42,15 @@ class Target:
     max_attempts: int = 3
     backoff_s: float = 2.0
     include_usage: bool = True
+    api: str = "chat"  # "chat" (POST /chat/completions) or "responses" (POST /responses)
     # What the run learnt about the server, shared by every copy made with replace() (a server
     # that refuses stream_options is asked without it from then on).
     learned: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def url(self) -> str:
-        """Chat completions URL: the base URL + /chat/completions, as the OpenAI SDK builds it."""
-        return self.base_url.rstrip("/") + "/chat/completions"
+        """The base URL + /chat/completions (or /responses), as the OpenAI SDK builds it."""
+        return self.base_url.rstrip("/") + ("/responses" if self.api == "responses" else "/chat/completions")
 
     def api_key(self) -> str | None:
         return (os.environ.get(self.api_key_env) or None) if self.api_key_env else None
@@ -61,6 +62,7 @@ class Target:
             "model": self.model,
             "api_key_env": self.api_key_env,
             "api_key_set": self.api_key() is not None,
+            "api": self.api,
         }
 
 
@@ -144,6 +146,12 @@ def add_target_arguments(parser: argparse.ArgumentParser, *, base_url_flag: bool
         "holds the client's start-up and connection set-up)",
     )
     g.add_argument(
+        "--api",
+        choices=("chat", "responses"),
+        default="chat",
+        help="chat: POST /chat/completions (default); responses: the Responses API, POST /responses",
+    )
+    g.add_argument(
         "--no-usage",
         action="store_true",
         help="do not ask for stream_options.include_usage (tokens are then counted from content events)",
@@ -184,6 +192,7 @@ def target_from_args(
         max_attempts=args.retries + 1 if args.retries is not None else int(retry.get("max_attempts", 3)),
         backoff_s=_pick(args.backoff, retry.get("backoff_seconds"), 2.0),
         include_usage=not args.no_usage,
+        api=args.api,
     )
     return validate_target(target)
 
