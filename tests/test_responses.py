@@ -20,6 +20,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from proxy.exchange import Exchange, Outcome
+from proxy.genai_content import Budget, input_messages
 from proxy.request import prompt_chars
 from proxy.settings import TracingSettings
 from proxy.sim.app import create_sim_app
@@ -27,7 +28,7 @@ from proxy.sim.config import SimConfig
 from proxy.sim.protocol import ResponsesRequest
 from proxy.sim.responses import ResponsesFormat
 from proxy.sse import ResponsesScanner, SSEScanner
-from proxy.tracing import TracingObserver, _Budget, input_messages
+from proxy.tracing import TracingObserver
 from tests.conftest import RecordingObserver, make_settings, run_proxy, serve_in_thread
 
 USAGE = {"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14}
@@ -254,7 +255,7 @@ def test_prompt_size_and_captured_input_read_the_responses_fields() -> None:
     }
     assert prompt_chars(request) == len("Be brief.") + len("Hello") + len("there")
     assert prompt_chars({"model": "m", "input": "Hello"}) == 5
-    assert input_messages("responses", request, _Budget(100)) == [
+    assert input_messages("responses", request, Budget(100)) == [
         {"role": "system", "parts": [{"type": "text", "content": "Be brief."}]},
         {"role": "user", "parts": [{"type": "text", "content": "Hello"}]},
         {"role": "user", "parts": [{"type": "text", "content": "there"}, {"type": "input_image"}]},
