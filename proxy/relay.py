@@ -11,7 +11,7 @@ from proxy.asgi import RawHeaders, Send
 from proxy.exchange import Exchange, Outcome
 from proxy.observer import ObserverSet
 from proxy.request import DROP_RESPONSE, MAX_JSON_CAPTURE
-from proxy.sse import SSEScanner, StreamFacts, absorb_response
+from proxy.sse import SSEScanner, StreamFacts, absorb_response, usage_tokens
 
 
 def response_headers(raw: Iterable[tuple[bytes, bytes]], is_sse: bool, rid: RawHeaders) -> RawHeaders:
@@ -91,9 +91,7 @@ async def relay_body(
 def take_facts(ex: Exchange, facts: StreamFacts) -> None:
     usage = facts.usage
     if usage is not None:
-        # Chat and text completions name them prompt/completion, the Responses API input/output.
-        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
-        completion = usage.get("completion_tokens", usage.get("output_tokens"))
+        prompt, completion = usage_tokens(usage)
         if isinstance(prompt, int):
             ex.prompt_tokens = prompt
         if isinstance(completion, int):

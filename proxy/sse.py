@@ -239,8 +239,15 @@ def _event_ends(chunk: bytes) -> list[int]:
     return ends
 
 
-def absorb_response(facts: StreamFacts, obj: dict[str, Any]) -> None:
-    """Take id, model, usage and finish reasons from a chunk or a whole (non-stream) response."""
+def usage_tokens(usage: dict[str, Any]) -> tuple[object, object]:
+    """(prompt, completion) tokens of a usage object, whichever API's names it uses."""
+    # Chat and text completions name them prompt/completion, the Responses API input/output.
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    return prompt, usage.get("completion_tokens", usage.get("output_tokens"))
+
+
+def _absorb_identity(facts: StreamFacts, obj: dict[str, Any]) -> None:
+    """The id, model and usage of a chunk, a whole answer or a Responses API `response`."""
     if facts.response_id is None and isinstance(obj.get("id"), str):
         facts.response_id = obj["id"]
     if facts.response_model is None and isinstance(obj.get("model"), str):
@@ -248,6 +255,11 @@ def absorb_response(facts: StreamFacts, obj: dict[str, Any]) -> None:
     usage = obj.get("usage")
     if isinstance(usage, dict):
         facts.usage = usage
+
+
+def absorb_response(facts: StreamFacts, obj: dict[str, Any]) -> None:
+    """Take id, model, usage and finish reasons from a chunk or a whole (non-stream) response."""
+    _absorb_identity(facts, obj)
     if obj.get("object") == "response":  # a whole (non-stream) Responses API answer
         _absorb_response_object(facts, obj)
         return
@@ -268,12 +280,7 @@ def absorb_responses_event(facts: StreamFacts, obj: dict[str, Any]) -> None:
         return
     response = obj.get("response")
     if isinstance(response, dict):
-        if facts.response_id is None and isinstance(response.get("id"), str):
-            facts.response_id = response["id"]
-        if facts.response_model is None and isinstance(response.get("model"), str):
-            facts.response_model = response["model"]
-        if isinstance(response.get("usage"), dict):
-            facts.usage = response["usage"]
+        _absorb_identity(facts, response)
         if kind in ("response.completed", "response.incomplete"):
             facts.done = True
             _absorb_response_object(facts, response, text=False)  # the text came as deltas

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 
-from proxy.sse import ResponsesScanner, SSEScanner, event_data
+from proxy.sse import ResponsesScanner, SSEScanner, event_data, usage_tokens
 from proxy.tools.target import DEFAULT_KEY_ENV, Target, ToolError
 
 MAX_BACKOFF_S = 30.0
@@ -220,13 +220,11 @@ async def _attempt(client: httpx.AsyncClient, target: Target, prompt: str, resul
     if result.ttft_s is None:
         raise _Failure("no_output", "the stream ended without any output text", result.status)
     result.total_s = ended - started
-    usage = facts.usage or {}
-    completion = usage.get("completion_tokens", usage.get("output_tokens"))
+    prompt_tokens, completion = usage_tokens(facts.usage or {})
     if isinstance(completion, int) and completion > 0:
         result.output_tokens, result.token_source = completion, "usage"
     else:
         result.output_tokens, result.token_source = result.content_events, "counted"
-    prompt_tokens = usage.get("prompt_tokens", usage.get("input_tokens"))
     result.prompt_tokens = prompt_tokens if isinstance(prompt_tokens, int) else None
     result.finish_reason = facts.finish_reasons[-1] if facts.finish_reasons else None
 
