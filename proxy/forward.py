@@ -28,9 +28,11 @@ from proxy.request import (
     COMPLETION_ROUTES,
     DROP_REQUEST,
     JSON_ROUTES,
+    PathRejected,
     RequestIds,
     RequestRejected,
     parse_request,
+    passthrough_suffix,
     prompt_chars,
 )
 from proxy.sse import StreamFacts, error_event
@@ -77,6 +79,14 @@ class Forwarder:
             if key == b"traceparent" or key == b"tracestate":
                 ex.trace_context[key.decode()] = value.decode("latin-1")
         rid = [(b"x-request-id", ex.request_id.encode())]
+        if route == "other":
+            try:
+                suffix = passthrough_suffix(scope)
+            except PathRejected as e:
+                await self._reject(send, ex, rid, 400, f"{e}: {scope['path']!r}", "invalid_path")
+                return
+        else:
+            suffix = scope["path"][3:]  # one of the known routes, matched exactly
         if self.max_concurrency and self.active >= self.max_concurrency:
             await self._reject(
                 send,
@@ -118,7 +128,6 @@ class Forwarder:
         ex.upstream_url = upstream.display_url
         if obj is not None and ex.stream and route in COMPLETION_ROUTES:
             body = self._maybe_inject_usage(ex, obj, upstream, body)
-        suffix = scope["path"][3:]
         if scope.get("query_string"):
             suffix += "?" + scope["query_string"].decode("latin-1")
         headers = {}
