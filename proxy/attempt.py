@@ -70,13 +70,20 @@ class Attempter:
         self.no_stream_options: set[str] = set()
 
     def headers_for(self, call: Call, up: Upstream) -> dict[str, str]:
+        """The attempt's headers as observers see them: without the key (see `_keyed`)."""
         headers = dict(call.headers)
         headers.update(up.headers)
         headers["accept-encoding"] = "identity"
         headers["x-request-id"] = call.ex.request_id
-        if up.api_key:
-            headers["authorization"] = f"Bearer {up.api_key}"
         return headers
+
+    @staticmethod
+    def _keyed(headers: dict[str, str], up: Upstream) -> dict[str, str]:
+        """The headers as sent. The key joins them only here, in a copy no observer ever holds,
+        so no repr() or log of the Exchange can show it."""
+        if not up.api_key:
+            return headers
+        return {**headers, "authorization": f"Bearer {up.api_key}"}
 
     async def run(self, call: Call, up: Upstream, last: bool) -> Ready | Failure:
         """One upstream attempt, up to the point where its answer can be committed."""
@@ -95,7 +102,7 @@ class Attempter:
                 resp = await self.client.request(
                     ex.method,
                     up.url(call.suffix),
-                    headers=ex.upstream_headers,
+                    headers=self._keyed(ex.upstream_headers, up),
                     data=call.body or None,
                     timeout=up.timeout,
                     allow_redirects=False,

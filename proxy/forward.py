@@ -26,11 +26,11 @@ from proxy.observer import ObserverSet
 from proxy.relay import relay_body, relay_sse, response_headers, stamp_outputs, status_outcome, take_facts
 from proxy.request import (
     COMPLETION_ROUTES,
-    DROP_REQUEST,
     JSON_ROUTES,
     PathRejected,
     RequestIds,
     RequestRejected,
+    forwarded_headers,
     parse_request,
     passthrough_suffix,
     prompt_chars,
@@ -95,9 +95,21 @@ class Forwarder:
                 429,
                 f"infertap is at its limit of {self.max_concurrency} concurrent requests: retry shortly",
                 "too_many_requests",
+                kind=Outcome.RATE_LIMITED.value,
                 extra=[(b"retry-after", b"1")],
             )
             return
+        # Counted from here, before the body is read: a slow upload holds its place under the cap.
+        self.active += 1
+        try:
+            await self._intake(scope, receive, send, ex, rid, suffix)
+        finally:
+            self.active -= 1
+
+    async def _intake(
+        self, scope: Scope, receive: Receive, send: Send, ex: Exchange, rid: RawHeaders, suffix: str
+    ) -> None:
+        route = ex.route
         try:
             body = await read_body(receive, self.max_body_bytes)
         except ClientGone:
@@ -130,18 +142,9 @@ class Forwarder:
             body = self._maybe_inject_usage(ex, obj, upstream, body)
         if scope.get("query_string"):
             suffix += "?" + scope["query_string"].decode("latin-1")
-        headers = {}
-        for k, v in scope["headers"]:
-            name = k.decode("latin-1")
-            if name not in DROP_REQUEST:
-                headers[name] = v.decode("latin-1")
-        call = Call(ex, upstream, suffix, headers, body, parsed.body, rid)
+        call = Call(ex, upstream, suffix, forwarded_headers(scope), body, parsed.body, rid)
         self.observers.request_received(ex)
-        self.active += 1
-        try:
-            await self._guarded(receive, send, call)
-        finally:
-            self.active -= 1
+        await self._guarded(receive, send, call)
 
     async def _reject(
         self,
@@ -153,9 +156,10 @@ class Forwarder:
         code: str,
         param: str | None = None,
         extra: RawHeaders | None = None,
+        kind: str = "invalid_request_error",
     ) -> None:
         self.observers.request_received(ex)
-        await send_error(send, status, message, "invalid_request_error", code, rid + (extra or []), param)
+        await send_error(send, status, message, kind, code, rid + (extra or []), param)
         self._end(ex, Outcome.REJECTED, status, message)
 
     def _maybe_inject_usage(self, ex: Exchange, obj: dict[str, Any], up: Upstream, body: bytes) -> bytes:

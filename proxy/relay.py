@@ -13,7 +13,6 @@ from proxy.observer import ObserverSet
 from proxy.request import DROP_RESPONSE, MAX_JSON_CAPTURE
 from proxy.sse import SSEScanner, StreamFacts, absorb_response, usage_tokens
 
-
 # Set on every stream below: the upstream's own copies would be sent twice (sse-starlette sends one).
 _SSE_OWN = frozenset({b"cache-control", b"x-accel-buffering"})
 

@@ -83,6 +83,34 @@ def passthrough_suffix(scope: Scope) -> str:
     return suffix
 
 
+def forwarded_headers(scope: Scope) -> dict[str, str]:
+    """The client's headers as they go upstream: no credentials, no hop-by-hop headers (also none
+    that the client names in `Connection`), and X-Forwarded-For with the client's address appended."""
+    headers: dict[str, str] = {}
+    hop: list[str] = []
+    forwarded_for: list[str] = []
+    for k, v in scope["headers"]:
+        name = k.decode("latin-1")
+        if name in DROP_REQUEST:
+            if name == "connection":
+                hop.extend(t.strip().lower() for t in v.decode("latin-1").split(","))
+        elif name == "x-forwarded-for":
+            forwarded_for.append(v.decode("latin-1"))
+        else:
+            headers[name] = v.decode("latin-1")
+    if hop:
+        for name in hop:
+            headers.pop(name, None)
+        if "x-forwarded-for" in hop:
+            forwarded_for.clear()
+    client = scope.get("client")
+    if client:
+        forwarded_for.append(str(client[0]))
+    if forwarded_for:
+        headers["x-forwarded-for"] = ", ".join(forwarded_for)
+    return headers
+
+
 def display_url(url: str) -> str:
     """The URL without user info or query: safe for logs and error messages."""
     parts = urlsplit(url)

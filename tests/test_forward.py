@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from proxy.exchange import Exchange
 from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import RecordingObserver, make_settings, run_proxy, wait_until
 
@@ -253,7 +254,8 @@ def test_upstream_key_reaches_upstream_and_nowhere_else(
     settings.retry.max_attempts = 1
     caplog.set_level(logging.DEBUG)
     seen: list[bytes] = []
-    with run_proxy(settings) as proxy, httpx.Client() as c:
+    rec = _ReprObserver()
+    with run_proxy(settings, rec) as proxy, httpx.Client() as c:
         auth = {"authorization": "Bearer sk-client-own"}
         for extra in ({}, {"x-fake-status": "500"}, {"x-fake-cut": "1"}):
             r = c.post(
@@ -269,6 +271,21 @@ def test_upstream_key_reaches_upstream_and_nowhere_else(
     assert all(secret.encode() not in s for s in seen)
     assert secret not in caplog.text
     assert "sk-client-own" not in json.dumps([r.headers for r in upstream.requests])
+    # Nothing an observer receives holds the key: one careless log call would print it.
+    assert len(rec.reprs) > 20 and not any(secret in r for r in rec.reprs)
+
+
+class _ReprObserver(RecordingObserver):
+    """Takes repr() of the Exchange at every hook, as a careless log call would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reprs: list[str] = []
+
+    def _rec(self, hook: str, ex: Exchange) -> None:
+        super()._rec(hook, ex)
+        with self.lock:
+            self.reprs.append(repr(ex) + repr(ex.upstream_headers) + repr(ex.scratch))
 
 
 def test_models_union_marks_upstreams_and_skips_dead_ones(fake: tuple[FakeUpstream, str]) -> None:

@@ -83,3 +83,27 @@ def test_percent_encoded_slash_in_a_model_id_is_kept(based: tuple[FakeUpstream, 
     assert status == 200
     # One path segment upstream, as the client meant it: not /models/org/name.
     assert upstream.requests[-1].raw_path == b"/api/v1/models/org%2Fname"
+
+
+def test_hop_by_hop_headers_named_in_connection_stay_here_and_x_forwarded_for_grows(
+    based: tuple[FakeUpstream, str],
+) -> None:
+    upstream, proxy = based
+    status, _, _ = raw_request(
+        proxy,
+        "POST",
+        "/v1/chat/completions",
+        json.dumps(CHAT).encode(),
+        {
+            "connection": "keep-alive, X-Secret-Hop",
+            "x-secret-hop": "for the next hop only",
+            "x-forwarded-for": "203.0.113.7",
+            "x-kept": "1",
+        },
+    )
+    assert status == 200
+    seen = upstream.requests[-1].headers
+    assert "x-secret-hop" not in seen and seen["x-kept"] == "1"
+    assert seen["x-forwarded-for"] == "203.0.113.7, 127.0.0.1"
+    raw_request(proxy, "POST", "/v1/chat/completions", json.dumps(CHAT).encode())
+    assert upstream.requests[-1].headers["x-forwarded-for"] == "127.0.0.1"

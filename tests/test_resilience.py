@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -266,6 +268,43 @@ def test_concurrency_cap_answers_429(fake: tuple[FakeUpstream, str]) -> None:
             hung.read()
         wait_until(lambda: value(scrape(proxy), "infertap_in_flight_requests") == 0)
         assert post(proxy, STREAM).status_code == 200
+
+
+def test_concurrency_cap_counts_a_request_while_its_body_arrives(fake: tuple[FakeUpstream, str]) -> None:
+    upstream, url = fake
+    settings = fast(make_settings(("fake", url)))
+    settings.server.max_concurrency = 1
+    with run_proxy(settings) as proxy:
+        host, port = proxy.removeprefix("http://").split(":")
+        body = json.dumps(STREAM).encode()
+        # A slow upload: headers and half the body, and the rest only after the second request.
+        with socket.create_connection((host, int(port)), timeout=10) as slow:
+            slow.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"x-request-id: slow-upload\r\ncontent-length: %d\r\n\r\n" % len(body) + body[:10]
+            )
+            # Probes with a broken body: 400 while the upload is not counted yet (nothing reaches the
+            # upstream either way), 429 once it is. On main it never was: the probes kept getting 400.
+            probes: list[httpx.Response] = []
+
+            def capped() -> bool:
+                probes.append(httpx.post(f"{proxy}/v1/chat/completions", content=b"{", timeout=10))
+                return probes[-1].status_code == 429
+
+            wait_until(capped, what="the slow upload to count against the cap")
+            second = probes[-1]
+            assert {p.status_code for p in probes[:-1]} <= {400}
+            assert second.headers["retry-after"] == "1"
+            err = second.json()["error"]
+            assert err["code"] == "too_many_requests" and err["type"] == "rate_limited"
+            slow.sendall(body[10:])
+            answer = b""
+            while not answer.endswith(b"0\r\n\r\n"):
+                piece = slow.recv(65536)
+                assert piece, "the slow upload's answer was cut"
+                answer += piece
+        assert answer.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in answer
+    assert len(upstream.requests) == 1
 
 
 @pytest.fixture
