@@ -121,14 +121,18 @@ class Attempter:
                 if status == 400 and ex.usage_injected:
                     content = await resp.read()
                     if b"stream_options" in content:
-                        # This upstream rejects stream_options: ask again without it, and remember.
+                        # This upstream rejects stream_options: the forwarder asks again without it
+                        # (a new attempt, with its own deadline), and infertap remembers.
                         self.no_stream_options.add(up.name)
                         ex.usage_injected = False
                         call.body = call.original_body
                         resp.release()
                         resp = None
-                        ex.attempts -= 1
-                        return await self.run(call, up, last)
+                        return Failure(
+                            ErrorKind.STREAM_OPTIONS,
+                            400,
+                            f"upstream '{up.name}' rejects stream_options: asking again without it",
+                        )
                     ready = Ready(resp, _empty(), prefetched=content)
                     return ready
                 chunks = resp.content.iter_any()

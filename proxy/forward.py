@@ -266,7 +266,9 @@ class Forwarder:
         failure: Failure | None = None
         for i, up in enumerate(plan):
             policy = up.retry
-            for attempt in range(1, policy.max_attempts + 1):
+            attempt = 0
+            while attempt < policy.max_attempts:
+                attempt += 1
                 last = i == len(plan) - 1 and attempt == policy.max_attempts
                 result = await self.attempter.run(call, up, last)
                 if isinstance(result, Ready):
@@ -275,6 +277,12 @@ class Forwarder:
                     return
                 failure = result
                 self._health(ex, up, failure.kind not in _UNHEALTHY)
+                if failure.kind is ErrorKind.STREAM_OPTIONS:
+                    # infertap's own addition failed, not the upstream: at once, and off the budget
+                    # (it happens once per request: the body no longer has it).
+                    attempt -= 1
+                    await self._backoff(ex, failure.kind.value, 0.0)
+                    continue
                 if last:
                     break
                 if attempt < policy.max_attempts:

@@ -24,6 +24,9 @@ class ErrorKind(StrEnum):
     READ_ERROR = "stream_interrupted"
     UPSTREAM_429 = "rate_limited"
     UPSTREAM_5XX = "upstream_error"
+    # The upstream rejected the stream_options infertap added: asked again at once without it (a
+    # retry reason only, never a request's outcome).
+    STREAM_OPTIONS = "stream_options_rejected"
 
 
 # Most specific first: aiohttp's exception classes form a hierarchy (its timeouts are also

@@ -129,6 +129,35 @@ def test_503_then_200_is_a_normal_answer(suite: tuple[FakeUpstream, str, Recordi
     assert outcomes(metrics) == {"ok": 1}
 
 
+def test_rejected_stream_options_are_dropped_in_an_ordinary_attempt(fake: tuple[FakeUpstream, str]) -> None:
+    upstream, url = fake
+    settings = fast(make_settings(("fake", url)), attempts=1)
+    # Each answer takes 1.5 s: within the TTFT timeout per attempt, not for both together.
+    settings.timeouts.ttft = 2.5
+    settings.timeouts.idle = 10
+    rec = RecordingObserver()
+    with run_proxy(settings, rec) as proxy:
+        script = {"x-fake-reject-stream-options": "1", "x-fake-delay-ms": "1500"}
+        r = post(proxy, STREAM, **script, **{"x-request-id": "so"})
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+        ex = rec.wait_terminal("so")
+        hooks = rec.hooks_for("so")
+        # Two attempts, each counted, each with its own span, TTFB and deadline; the retry budget of
+        # one attempt is not used up by infertap's own addition.
+        assert ex.outcome == "ok" and ex.attempts == 2 == len(upstream.requests)
+        assert hooks.count("attempt_started") == 2 and hooks.count("first_byte") == 2
+        assert hooks.count("retry") == 1
+        assert "stream_options" in upstream.requests[0].json()
+        assert "stream_options" not in upstream.requests[1].json()
+        text = scrape(proxy)
+        assert value(text, "infertap_upstream_attempts_total", upstream="fake") == 2
+        assert value(text, "infertap_retries_total", reason="stream_options_rejected") == 1
+        assert value(text, "infertap_time_to_first_byte_seconds_count") == 2
+        # Remembered: the next request goes without it at once.
+        assert post(proxy, STREAM, **script, **{"x-request-id": "so2"}).status_code == 200
+        assert rec.wait_terminal("so2").attempts == 1 and len(upstream.requests) == 3
+
+
 def test_400_is_not_retried(suite: tuple[FakeUpstream, str, RecordingObserver]) -> None:
     upstream, proxy, _ = suite
     r = post(proxy, CHAT, **{"x-fake-status": "400"})
