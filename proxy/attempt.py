@@ -38,6 +38,7 @@ class Call:
     original_body: bytes
     rid: RawHeaders
     committed: bool = False
+    committed_sse: bool = False  # what was committed can carry an in-band error event
 
 
 @dataclass(slots=True)

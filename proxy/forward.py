@@ -218,6 +218,11 @@ class Forwarder:
                 await self._exchange(send, call, watcher)
         except TimeoutError:
             msg = f"the request took longer than the total timeout of {total} s"
+            if call.committed and not call.committed_sse:
+                # A plain body cut short would look complete, and an error event appended to it
+                # would corrupt it: the connection is aborted (the app returns unfinished).
+                self._end(ex, Outcome.TOTAL_TIMEOUT, 504, msg)
+                return
             if call.committed:
                 watcher.cancel()
                 await send(
@@ -318,6 +323,7 @@ class Forwarder:
         read_all = False
         try:
             call.committed = True
+            call.committed_sse = is_sse
             await send(
                 {
                     "type": "http.response.start",

@@ -190,6 +190,30 @@ def test_stall_after_first_token_ends_in_an_sse_error(
     assert value(text, "infertap_in_flight_requests") == 0
 
 
+def test_total_timeout_mid_json_answer_aborts_the_connection(fake: tuple[FakeUpstream, str]) -> None:
+    upstream, url = fake
+    settings = fast(make_settings(("fake", url)))
+    settings.timeouts.idle = 30
+    settings.timeouts.total = 1.0
+    rec = RecordingObserver()
+    with run_proxy(settings, rec) as proxy:
+        # Half the JSON answer arrives, then nothing: the total timeout fires while relaying it.
+        with pytest.raises(httpx.RemoteProtocolError):
+            post(proxy, CHAT, **{"x-fake-hang": "mid-body", "x-request-id": "half"})
+        client = openai.OpenAI(base_url=f"{proxy}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.APIConnectionError):
+            client.chat.completions.create(
+                model="fake-model",
+                messages=CHAT["messages"],  # type: ignore[arg-type]
+                extra_headers={"x-fake-hang": "mid-body"},
+            )
+        client.close()
+        assert rec.wait_terminal("half").outcome == "total_timeout"
+        wait_until(lambda: value(scrape(proxy), "infertap_in_flight_requests") == 0)
+        assert outcomes(scrape(proxy)) == {"total_timeout": 2}
+    assert len(upstream.requests) == 2
+
+
 def test_cut_mid_stream_makes_the_sdk_raise(suite: tuple[FakeUpstream, str, RecordingObserver]) -> None:
     _, proxy, rec = suite
     client = openai.OpenAI(base_url=f"{proxy}/v1", api_key="x", max_retries=0)
