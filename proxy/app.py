@@ -19,12 +19,13 @@ import orjson
 
 from proxy import __version__
 from proxy.accesslog import AccessLog
-from proxy.asgi import Receive, Scope, Send, error_body, header, send_error, send_json
+from proxy.asgi import Message, Receive, Scope, Send, error_body, header, send_error, send_json
 from proxy.auth import ClientKeys, bearer_token
 from proxy.forward import Forwarder
 from proxy.loops import LoopDetector
 from proxy.metrics import CollectorRegistry, Metrics
 from proxy.observer import Observer, ObserverSet
+from proxy.request import RequestIds
 from proxy.settings import Settings
 from proxy.tracing import build_tracing
 from proxy.ui import UIObserver, UIRoutes
@@ -66,6 +67,7 @@ class InfertapApp:
         self.client_keys = ClientKeys.from_settings(settings.auth)
         self.metrics_token = bearer_token(settings.auth.metrics_token_env)
         self.observers = ObserverSet(observers)
+        self.request_ids = RequestIds()
         self._runtime: _Runtime | None = None
         self._plain: dict[tuple[str, str], Handler] = {
             ("GET", "/healthz"): self._healthz,
@@ -121,6 +123,18 @@ class InfertapApp:
         elif kind == "lifespan":
             await self._lifespan(receive, send)
 
+    def _stamped(self, scope: Scope, send: Send) -> Send:
+        """`send` with X-Request-Id added to the response: for every answer that the forwarder
+        (which sets its own) does not give."""
+        rid = (b"x-request-id", self.request_ids(scope).encode())
+
+        async def stamped(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), rid]}
+            await send(message)
+
+        return stamped
+
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         method: str = scope["method"]
@@ -130,7 +144,7 @@ class InfertapApp:
             and not self.client_keys.check(header(scope, b"authorization"))
         ):
             await send_error(
-                send,
+                self._stamped(scope, send),
                 401,
                 "a valid infertap key is required: send 'Authorization: Bearer "
                 "<key>' with a key configured in [auth]",
@@ -144,7 +158,7 @@ class InfertapApp:
             route, allowed = proxied
             if method != allowed:
                 await send_error(
-                    send,
+                    self._stamped(scope, send),
                     405,
                     f"{path} accepts {allowed} only, not {method}",
                     "invalid_request_error",
@@ -155,13 +169,13 @@ class InfertapApp:
             return
         handler = self._plain.get((method, path))
         if handler is not None:
-            await handler(scope, receive, send)
+            await handler(scope, receive, self._stamped(scope, send))
             return
         if path.startswith("/v1/"):
             await self.runtime.forwarder.handle(scope, receive, send, "other")
             return
         await send_error(
-            send,
+            self._stamped(scope, send),
             404,
             f"no route {method} {path}: infertap serves /v1/* (the OpenAI API), /healthz, /readyz, "
             "/metrics and /ui",

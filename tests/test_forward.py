@@ -328,3 +328,27 @@ def test_routing_by_model_glob_and_passthrough(fake: tuple[FakeUpstream, str]) -
         assert rec.exchanges["r1"].upstream == "b" and rec.exchanges["r2"].upstream == "a"
         assert emb.status_code == 200 and second.requests[-1].path == "/v1/embeddings"
         assert other.status_code == 200 and upstream.requests[-1].path == "/v1/models/fake-model"
+
+
+def test_every_response_carries_a_request_id(fake: tuple[FakeUpstream, str]) -> None:
+    _, url = fake
+    with run_proxy(make_settings(("fake", url))) as proxy, httpx.Client() as c:
+        answers = {
+            f"{method} {path}": c.request(method, proxy + path)
+            for method, path in [
+                ("GET", "/v1/models"),
+                ("GET", "/healthz"),
+                ("GET", "/readyz"),
+                ("GET", "/metrics"),
+                ("GET", "/ui"),
+                ("GET", "/ui/data"),
+                ("GET", "/nope"),
+                ("GET", "/v1/chat/completions"),
+                ("POST", "/v1/chat/completions"),
+            ]
+        }
+        missing = [what for what, r in answers.items() if not r.headers.get("x-request-id")]
+        assert missing == []
+        assert len({r.headers["x-request-id"] for r in answers.values()}) == len(answers)
+        given = c.get(f"{proxy}/healthz", headers={"x-request-id": "mine-1"})
+        assert given.headers.get_list("x-request-id") == ["mine-1"]
