@@ -102,6 +102,8 @@ class InfertapApp:
             models = ", ".join(up.models) if up.models else "(no patterns)"
             default = " [default]" if up is router.default else ""
             log.info("upstream %s%s: %s, models %s, %s", up.name, default, up.display_url, models, key)
+            for warning in up.config_warnings:
+                log.warning("%s", warning)
 
     async def shutdown(self) -> None:
         if self._runtime is not None:
