@@ -6,10 +6,7 @@ bounded: `model` passes an allow-list with a cap, everything else has a closed v
 
 from __future__ import annotations
 
-import fnmatch
 import os
-import threading
-from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
@@ -17,6 +14,7 @@ from prometheus_client.exposition import choose_encoder
 
 from proxy import __version__
 from proxy.exchange import Exchange, Outcome
+from proxy.model_labels import NONE, OTHER, ModelLabels
 from proxy.observer import Observer
 from proxy.settings import MetricsSettings, Settings
 
@@ -114,36 +112,11 @@ TIMEOUT_PHASES: dict[str, str] = {
     Outcome.IDLE_TIMEOUT.value: "idle",
     Outcome.TOTAL_TIMEOUT.value: "total",
 }
-__all__ = ["CollectorRegistry", "Metrics", "ModelLabels", "multiprocess_dir"]
-OTHER = "other"
-NONE = "none"
+__all__ = ["NONE", "OTHER", "CollectorRegistry", "Metrics", "ModelLabels", "multiprocess_dir"]
 
 
 def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
-
-
-class ModelLabels:
-    """Maps a requested model name to a bounded label value."""
-
-    def __init__(self, patterns: Iterable[str] | None, cap: int) -> None:
-        self.patterns = None if patterns is None else list(patterns)
-        self.cap = cap
-        self.seen: set[str] = set()
-        self._lock = threading.Lock()
-
-    def __call__(self, model: str | None) -> str:
-        if not model:
-            return NONE
-        if model in self.seen:
-            return model
-        if self.patterns is not None and not any(fnmatch.fnmatchcase(model, p) for p in self.patterns):
-            return OTHER
-        with self._lock:
-            if len(self.seen) >= self.cap:
-                return OTHER
-            self.seen.add(model)
-        return model
 
 
 def _default_model_patterns(settings: Settings) -> list[str] | None:
@@ -167,7 +140,8 @@ class Metrics(Observer):
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.multiprocess = multiprocess_dir() is not None
         self.exemplars = m.exemplars and not self.multiprocess
-        self.model_label = ModelLabels(_default_model_patterns(settings), m.max_models)
+        # Across workers: the cap is the instance's, not each process's.
+        self.model_label = ModelLabels(_default_model_patterns(settings), m.max_models, multiprocess_dir())
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         r = self.registry
         self.requests = Counter(

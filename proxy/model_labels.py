@@ -1,0 +1,83 @@
+"""The `model` label: an allow-list and a cap on distinct values, held across worker processes.
+
+With `--workers N` each worker is a process of its own; a cap kept in each would let N times as
+many values through. The admitted names are kept in a file in the instance's multiprocess
+directory instead, appended to under a lock. Only a name this process has not seen yet costs
+a look at the file, and each look either admits a name or finds the cap reached, after which
+the file is never read again: at most cap + 1 looks per process, whatever clients send.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import fnmatch
+import logging
+import os
+import threading
+from collections.abc import Iterable
+
+log = logging.getLogger("infertap.metrics")
+
+OTHER = "other"
+NONE = "none"
+SHARED_FILE = "infertap_model_labels.txt"  # not *.db: prometheus_client reads those
+
+
+class SharedNames:
+    """Names admitted by any worker of this instance, one a line."""
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, SHARED_FILE)
+
+    def admit(self, name: str, cap: int) -> tuple[bool, set[str]]:
+        """(whether `name` is admitted, every name admitted so far)."""
+        with open(self.path, "a+", encoding="utf-8") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes
+            fh.seek(0)
+            names = set(fh.read().split("\n"))
+            names.discard("")
+            if name in names:
+                return True, names
+            if len(names) >= cap:
+                return False, names
+            fh.write(name + "\n")
+            names.add(name)
+            return True, names
+
+
+class ModelLabels:
+    """Maps a requested model name to a bounded label value."""
+
+    def __init__(self, patterns: Iterable[str] | None, cap: int, shared_dir: str | None = None) -> None:
+        self.patterns = None if patterns is None else list(patterns)
+        self.cap = cap
+        self.seen: set[str] = set()
+        self.full = False
+        self.shared = SharedNames(shared_dir) if shared_dir else None
+        self._lock = threading.Lock()
+
+    def __call__(self, model: str | None) -> str:
+        if not model:
+            return NONE
+        if model in self.seen:
+            return model
+        if self.patterns is not None and not any(fnmatch.fnmatchcase(model, p) for p in self.patterns):
+            return OTHER
+        with self._lock:
+            if self.full or "\n" in model:
+                return OTHER
+            if self.shared is not None:
+                try:
+                    admitted, names = self.shared.admit(model, self.cap)
+                except OSError as e:
+                    log.warning("model label cap: %s unusable (%s); counting per worker", self.shared.path, e)
+                    self.shared = None
+                else:
+                    self.seen |= names
+                    self.full = not admitted
+                    return model if admitted else OTHER
+            if len(self.seen) >= self.cap:
+                self.full = True
+                return OTHER
+            self.seen.add(model)
+        return model
