@@ -178,7 +178,7 @@ def base_url_warnings(name: str, base_url: str) -> tuple[str, ...]:
     return (
         f"upstream '{name}': base_url {url} has no path, but OpenAI-compatible servers answer under "
         f"/v1 (requests would go to {url}/chat/completions). If yours does too, write {url}/v1: "
-        f"--upstream {name}={url}/v1, or base_url = \"{url}/v1\" in [[upstreams]].",
+        f'--upstream {name}={url}/v1, or base_url = "{url}/v1" in [[upstreams]].',
     )
 
 
