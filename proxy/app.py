@@ -26,6 +26,7 @@ from proxy.loops import LoopDetector
 from proxy.metrics import CollectorRegistry, Metrics
 from proxy.observer import Observer, ObserverSet
 from proxy.request import RequestIds
+from proxy.routes import OTHER, PROXIED
 from proxy.settings import Settings
 from proxy.tracing import build_tracing
 from proxy.ui import UIObserver, UIRoutes
@@ -33,13 +34,6 @@ from proxy.upstream import Router, Upstream, describe, make_client
 
 log = logging.getLogger("infertap.app")
 
-# Proxied routes: path -> (route label, allowed method).
-PROXIED: dict[str, tuple[str, str]] = {
-    "/v1/chat/completions": ("chat.completions", "POST"),
-    "/v1/completions": ("completions", "POST"),
-    "/v1/responses": ("responses", "POST"),
-    "/v1/embeddings": ("embeddings", "POST"),
-}
 _PROBE_TIMEOUT = aiohttp.ClientTimeout(total=3.0)
 
 
@@ -155,14 +149,13 @@ class InfertapApp:
                 [(b"www-authenticate", b"Bearer")],
             )
             return
-        proxied = PROXIED.get(path)
-        if proxied is not None:
-            route, allowed = proxied
-            if method != allowed:
+        route = PROXIED.get(path)
+        if route is not None:
+            if method != route.method:
                 await send_error(
                     self._stamped(scope, send),
                     405,
-                    f"{path} accepts {allowed} only, not {method}",
+                    f"{path} accepts {route.method} only, not {method}",
                     "invalid_request_error",
                     "method_not_allowed",
                 )
@@ -174,7 +167,7 @@ class InfertapApp:
             await handler(scope, receive, self._stamped(scope, send))
             return
         if path.startswith("/v1/"):
-            await self.runtime.forwarder.handle(scope, receive, send, "other")
+            await self.runtime.forwarder.handle(scope, receive, send, OTHER)
             return
         await send_error(
             self._stamped(scope, send),

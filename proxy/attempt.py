@@ -16,14 +16,13 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from proxy.asgi import RawHeaders
+from proxy.errors import ERRORS, ErrorKind
 from proxy.exchange import Exchange
 from proxy.observer import ObserverSet
-from proxy.request import GENERATION_ROUTES, retry_after
-from proxy.sse import ResponsesScanner, SSEScanner
-from proxy.upstream import RETRYABLE_STATUS, ErrorKind, Upstream, classify, describe
-
-# Generation routes whose streams are not chat-completion-like.
-SCANNERS: dict[str, type[SSEScanner]] = {"responses": ResponsesScanner}
+from proxy.request import retry_after
+from proxy.routes import Route
+from proxy.sse import SSEScanner
+from proxy.upstream import RETRYABLE_STATUS, Upstream, classify, describe
 
 
 @dataclass(slots=True)
@@ -31,6 +30,7 @@ class Call:
     """What one proxied request needs across its attempts."""
 
     ex: Exchange
+    route: Route
     upstream: Upstream
     suffix: str
     headers: dict[str, str]
@@ -95,7 +95,8 @@ class Attempter:
         ex.upstream_headers = self.headers_for(call, up)
         ex.attempt_started_at = time.perf_counter()
         obs.attempt_started(ex)
-        generation_stream = ex.stream and ex.route in GENERATION_ROUTES
+        scanner_type = call.route.scanner
+        generation_stream = ex.stream and scanner_type is not None
         resp: aiohttp.ClientResponse | None = None
         ready: Ready | None = None
         try:
@@ -138,10 +139,10 @@ class Attempter:
                     return ready
                 chunks = resp.content.iter_any()
                 is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-                if not (generation_stream and status == 200 and is_sse):
+                if scanner_type is None or not (generation_stream and status == 200 and is_sse):
                     ready = Ready(resp, chunks)
                     return ready
-                scanner = SCANNERS.get(ex.route, SSEScanner)(
+                scanner = scanner_type(
                     strip_usage_only=ex.usage_injected, capture_chars=ex.capture_output_chars
                 )
                 ready = await self._until_first_output(resp, chunks, scanner)
@@ -150,13 +151,10 @@ class Attempter:
             kind = classify(e)
             if kind is ErrorKind.IDLE_TIMEOUT:
                 kind = ErrorKind.TTFT_TIMEOUT  # nothing relayed yet: still waiting for the first token
-            status = 504 if kind in (ErrorKind.CONNECT_TIMEOUT, ErrorKind.TTFT_TIMEOUT) else 502
-            what = {
-                ErrorKind.CONNECT_ERROR: "is unreachable",
-                ErrorKind.CONNECT_TIMEOUT: "did not accept a connection in time",
-                ErrorKind.TTFT_TIMEOUT: "did not answer in time",
-            }.get(kind, "failed before the first token")
-            return Failure(kind, status, f"upstream '{up.name}' ({ex.upstream_url}) {what}: {describe(e)}")
+            info = ERRORS[kind]
+            return Failure(
+                kind, info.status, f"upstream '{up.name}' ({ex.upstream_url}) {info.what}: {describe(e)}"
+            )
         except TimeoutError:
             return Failure(
                 ErrorKind.TTFT_TIMEOUT,

@@ -21,12 +21,11 @@ import orjson
 
 from proxy.asgi import BodyTooLarge, ClientGone, RawHeaders, Receive, Scope, Send, read_body, send_error
 from proxy.attempt import Attempter, Call, Failure, Ready
+from proxy.errors import ERRORS, ErrorKind, outcome_of
 from proxy.exchange import Exchange, Outcome, prompt_class
 from proxy.observer import ObserverSet
 from proxy.relay import relay_body, relay_sse, response_headers, stamp_outputs, status_outcome, take_facts
 from proxy.request import (
-    COMPLETION_ROUTES,
-    JSON_ROUTES,
     PathRejected,
     RequestIds,
     RequestRejected,
@@ -35,22 +34,11 @@ from proxy.request import (
     passthrough_suffix,
     prompt_chars,
 )
+from proxy.routes import OTHER, Route
 from proxy.sse import StreamFacts, error_event
-from proxy.upstream import ErrorKind, Router, Upstream, classify, describe
+from proxy.upstream import Router, Upstream, classify, describe
 
 log = logging.getLogger("infertap.forward")
-
-# Failures that say the upstream is unwell (they count towards its circuit breaker).
-_UNHEALTHY = frozenset(
-    {
-        ErrorKind.CONNECT_ERROR,
-        ErrorKind.CONNECT_TIMEOUT,
-        ErrorKind.TTFT_TIMEOUT,
-        ErrorKind.READ_ERROR,
-        ErrorKind.UPSTREAM_5XX,
-        ErrorKind.IDLE_TIMEOUT,
-    }
-)
 
 
 class Forwarder:
@@ -73,13 +61,13 @@ class Forwarder:
         self.request_id = RequestIds()
 
     # -- request intake ---------------------------------------------------------------------
-    async def handle(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
-        ex = Exchange(self.request_id(scope), route, scope["method"], scope["path"])
+    async def handle(self, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
+        ex = Exchange(self.request_id(scope), route.label, scope["method"], scope["path"])
         for key, value in scope["headers"]:
             if key == b"traceparent" or key == b"tracestate":
                 ex.trace_context[key.decode()] = value.decode("latin-1")
         rid = [(b"x-request-id", ex.request_id.encode())]
-        if route == "other":
+        if route is OTHER:
             try:
                 suffix = passthrough_suffix(scope)
             except PathRejected as e:
@@ -102,14 +90,20 @@ class Forwarder:
         # Counted from here, before the body is read: a slow upload holds its place under the cap.
         self.active += 1
         try:
-            await self._intake(scope, receive, send, ex, rid, suffix)
+            await self._intake(scope, receive, send, ex, route, rid, suffix)
         finally:
             self.active -= 1
 
     async def _intake(
-        self, scope: Scope, receive: Receive, send: Send, ex: Exchange, rid: RawHeaders, suffix: str
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        ex: Exchange,
+        route: Route,
+        rid: RawHeaders,
+        suffix: str,
     ) -> None:
-        route = ex.route
         try:
             body = await read_body(receive, self.max_body_bytes)
         except ClientGone:
@@ -119,11 +113,11 @@ class Forwarder:
             await self._reject(send, ex, rid, 413, msg, "request_too_large")
             return
         try:
-            parsed = parse_request(route, body)
+            obj = parse_request(route, body)
         except RequestRejected as e:
             await self._reject(send, ex, rid, e.status, e.message, e.code, e.param)
             return
-        obj = parsed.obj
+        original = body
         if obj is not None:
             ex.request_json = obj
             ex.model = obj["model"]
@@ -138,11 +132,11 @@ class Forwarder:
         upstream = self.router.route(ex.model)
         ex.upstream = upstream.name
         ex.upstream_url = upstream.display_url
-        if obj is not None and ex.stream and route in COMPLETION_ROUTES:
+        if obj is not None and ex.stream and route.stream_options:
             body = self._maybe_inject_usage(ex, obj, upstream, body)
         if scope.get("query_string"):
             suffix += "?" + scope["query_string"].decode("latin-1")
-        call = Call(ex, upstream, suffix, forwarded_headers(scope), body, parsed.body, rid)
+        call = Call(ex, route, upstream, suffix, forwarded_headers(scope), body, original, rid)
         self.observers.request_received(ex)
         await self._guarded(receive, send, call)
 
@@ -218,10 +212,15 @@ class Forwarder:
                 await self._exchange(send, call, watcher)
         except TimeoutError:
             msg = f"the request took longer than the total timeout of {total} s"
+            kind, status, outcome = (
+                ErrorKind.TOTAL_TIMEOUT,
+                ERRORS[ErrorKind.TOTAL_TIMEOUT].status,
+                Outcome.TOTAL_TIMEOUT,
+            )
             if call.committed and not call.committed_sse:
                 # A plain body cut short would look complete, and an error event appended to it
                 # would corrupt it: the connection is aborted (the app returns unfinished).
-                self._end(ex, Outcome.TOTAL_TIMEOUT, 504, msg)
+                self._end(ex, outcome, status, msg)
                 return
             if call.committed:
                 watcher.cancel()
@@ -229,12 +228,12 @@ class Forwarder:
                     {
                         "type": "http.response.body",
                         "more_body": False,
-                        "body": error_event(msg, Outcome.TOTAL_TIMEOUT.value),
+                        "body": error_event(msg, kind.value),
                     }
                 )
             else:
-                await send_error(send, 504, msg, Outcome.TOTAL_TIMEOUT.value, "total_timeout", call.rid)
-            self._end(ex, Outcome.TOTAL_TIMEOUT, 504, msg)
+                await send_error(send, status, msg, kind.value, kind.value, call.rid)
+            self._end(ex, outcome, status, msg)
         except asyncio.CancelledError:
             if not gone:
                 self._end(ex, Outcome.CLIENT_DISCONNECT, error="infertap is shutting down")
@@ -281,7 +280,7 @@ class Forwarder:
                     await self._commit(send, call, result, watcher)
                     return
                 failure = result
-                self._health(ex, up, failure.kind not in _UNHEALTHY)
+                self._health(ex, up, not ERRORS[failure.kind].unhealthy)
                 if failure.kind is ErrorKind.STREAM_OPTIONS:
                     # infertap's own addition failed, not the upstream: at once, and off the budget
                     # (it happens once per request: the body no longer has it).
@@ -299,7 +298,7 @@ class Forwarder:
         await send_error(
             send, failure.status, failure.message, failure.kind.value, failure.kind.value, call.rid
         )
-        self._end(ex, Outcome(failure.kind.value), failure.status, failure.message)
+        self._end(ex, outcome_of(failure.kind), failure.status, failure.message)
 
     def _health(self, ex: Exchange, up: Upstream, ok: bool) -> None:
         changed = up.breaker.success() if ok else up.breaker.failure(time.monotonic())
@@ -359,7 +358,7 @@ class Forwarder:
                     )
                     ex.error_message = msg
             else:
-                capture = ex.route in JSON_ROUTES and "json" in resp.headers.get("content-type", "")
+                capture = call.route.json_body and "json" in resp.headers.get("content-type", "")
                 facts = await relay_body(send, ready.chunks, capture, ex.capture_output_chars)
             read_all = True
         except aiohttp.ClientError as e:
@@ -372,13 +371,13 @@ class Forwarder:
             take_facts(ex, facts)
             if not is_sse:
                 # Ending a plain body early would look complete; an aborted connection does not.
-                self._end(ex, Outcome(kind.value), error=msg)
+                self._end(ex, outcome_of(kind), error=msg)
                 return
             watcher.cancel()
             await send(
                 {"type": "http.response.body", "more_body": False, "body": error_event(msg, kind.value)}
             )
-            self._end(ex, Outcome(kind.value), error=msg)
+            self._end(ex, outcome_of(kind), error=msg)
             return
         finally:
             # A fully read answer returns its connection to the pool; anything else (a failure,

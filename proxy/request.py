@@ -6,20 +6,13 @@ import email.utils
 import itertools
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import orjson
 
 from proxy.asgi import Scope, header
-
-# Routes that generate text: their JSON body names a model, their streams carry output events.
-GENERATION_ROUTES = frozenset({"chat.completions", "completions", "responses"})
-# Those whose streams end with `data: [DONE]` and send usage only when asked (stream_options).
-# The Responses API always puts usage in its final `response.completed` event instead.
-COMPLETION_ROUTES = frozenset({"chat.completions", "completions"})
-JSON_ROUTES = GENERATION_ROUTES | {"embeddings"}
+from proxy.routes import Route
 
 _HOP_BY_HOP = frozenset(
     {
@@ -183,12 +176,6 @@ def retry_after(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-@dataclass(slots=True)
-class ParsedRequest:
-    body: bytes
-    obj: dict[str, Any] | None
-
-
 class RequestRejected(Exception):
     def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -198,10 +185,11 @@ class RequestRejected(Exception):
         self.param = param
 
 
-def parse_request(route: str, body: bytes) -> ParsedRequest:
-    """Validate what infertap itself must understand; everything else is the upstream's business."""
-    if route not in JSON_ROUTES:
-        return ParsedRequest(body, None)
+def parse_request(route: Route, body: bytes) -> dict[str, Any] | None:
+    """Validate what infertap itself must understand; everything else is the upstream's business.
+    The parsed body of a JSON route; None for a route whose body infertap does not read."""
+    if not route.json_body:
+        return None
     if not body.strip():
         raise RequestRejected(400, "the request body is empty: send a JSON object", "invalid_json")
     try:
@@ -219,4 +207,4 @@ def parse_request(route: str, body: bytes) -> ParsedRequest:
     stream = obj.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestRejected(400, "'stream' must be true or false", "invalid_stream", "stream")
-    return ParsedRequest(body, obj)
+    return obj

@@ -5,30 +5,13 @@ from __future__ import annotations
 import fnmatch
 import random
 from dataclasses import dataclass, field
-from enum import StrEnum
 from urllib.parse import urlsplit
 
 import aiohttp
 
+from proxy.errors import ErrorKind
 from proxy.request import display_url
 from proxy.settings import RetrySettings, Settings, UpstreamSettings
-
-
-class ErrorKind(StrEnum):
-    """Why an upstream attempt failed. The values double as `outcome` labels and JSON error types."""
-
-    CONNECT_TIMEOUT = "connect_timeout"
-    CONNECT_ERROR = "connect_error"
-    TTFT_TIMEOUT = "ttft_timeout"
-    IDLE_TIMEOUT = "idle_timeout"
-    TOTAL_TIMEOUT = "total_timeout"
-    READ_ERROR = "stream_interrupted"
-    UPSTREAM_429 = "rate_limited"
-    UPSTREAM_5XX = "upstream_error"
-    # The upstream rejected the stream_options infertap added: asked again at once without it (a
-    # retry reason only, never a request's outcome).
-    STREAM_OPTIONS = "stream_options_rejected"
-
 
 # Most specific first: aiohttp's exception classes form a hierarchy (its timeouts are also
 # TimeoutErrors, so they must be told apart from infertap's own deadlines before those are).
@@ -188,8 +171,8 @@ class Router:
     def __init__(self, upstreams: list[Upstream], default: Upstream) -> None:
         self.upstreams = upstreams
         self.default = default
-        self._by_name = {u.name: u for u in upstreams}
-        self._plans = {u.name: [u, *(self._by_name[f] for f in u.fallback)] for u in upstreams}
+        by_name = {u.name: u for u in upstreams}
+        self._plans = {u.name: [u, *(by_name[f] for f in u.fallback)] for u in upstreams}
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Router:
@@ -209,9 +192,6 @@ class Router:
     def plan(self, first: Upstream) -> list[Upstream]:
         """The routed upstream, then its fallbacks, in order."""
         return self._plans[first.name]
-
-    def by_name(self, name: str) -> Upstream | None:
-        return self._by_name.get(name)
 
 
 def make_client(max_connections: int = 1000) -> aiohttp.ClientSession:
