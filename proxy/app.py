@@ -14,13 +14,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 
 from proxy import __version__
 from proxy.accesslog import AccessLog
 from proxy.asgi import Message, Receive, Scope, Send, error_body, header, send_error, send_json
 from proxy.auth import ClientKeys, bearer_token
+from proxy.errors import UpstreamError, describe
 from proxy.forward import Forwarder
 from proxy.loops import LoopDetector
 from proxy.metrics import CollectorRegistry, Metrics
@@ -30,11 +30,12 @@ from proxy.routes import OTHER, PROXIED
 from proxy.settings import Settings
 from proxy.tracing import build_tracing
 from proxy.ui import UIObserver, UIRoutes
-from proxy.upstream import Router, Upstream, describe, make_client
+from proxy.upstream import Router, Upstream
+from proxy.upstream_client import AiohttpClient, UpstreamClient
 
 log = logging.getLogger("infertap.app")
 
-_PROBE_TIMEOUT = aiohttp.ClientTimeout(total=3.0)
+_PROBE_TIMEOUT = 3.0
 
 
 @dataclass(slots=True)
@@ -45,7 +46,7 @@ class _Probe:
 
 @dataclass(slots=True)
 class _Runtime:
-    client: aiohttp.ClientSession
+    client: UpstreamClient
     router: Router
     forwarder: Forwarder
 
@@ -54,8 +55,15 @@ Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class InfertapApp:
-    def __init__(self, settings: Settings, observers: Sequence[Observer], metrics: Metrics | None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        observers: Sequence[Observer],
+        metrics: Metrics | None,
+        client: Callable[[], UpstreamClient] = AiohttpClient,
+    ) -> None:
         self.settings = settings
+        self.make_client = client
         self.metrics = metrics
         # Read at construction, so that a bad key setting stops start-up with a clear message.
         self.client_keys = ClientKeys.from_settings(settings.auth)
@@ -77,7 +85,7 @@ class InfertapApp:
     # -- lifespan ---------------------------------------------------------------------------
     async def startup(self) -> None:
         router = Router.from_settings(self.settings)
-        client = make_client()
+        client = self.make_client()
         forwarder = Forwarder(
             router,
             client,
@@ -225,17 +233,14 @@ class InfertapApp:
         )
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
-    async def _probe(self, up: Upstream) -> tuple[Upstream, _Probe | Exception]:
+    async def _probe(self, up: Upstream) -> tuple[Upstream, _Probe | UpstreamError]:
         """GET the upstream's model list: (status, body), or why it could not be had."""
         headers = dict(up.headers)
         if up.api_key:
             headers["authorization"] = f"Bearer {up.api_key}"
         try:
-            async with self.runtime.client.get(
-                up.url("/models"), headers=headers, timeout=_PROBE_TIMEOUT
-            ) as r:
-                return up, _Probe(r.status, await r.read())
-        except (aiohttp.ClientError, TimeoutError) as e:
+            return up, _Probe(*await self.runtime.client.fetch(up.url("/models"), headers, _PROBE_TIMEOUT))
+        except UpstreamError as e:
             return up, e
 
     async def _readyz(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -243,9 +248,7 @@ class InfertapApp:
         report: dict[str, str] = {}
         for up, res in results:
             report[up.name] = (
-                f"unreachable: {describe(res)}"
-                if isinstance(res, Exception)
-                else (f"reachable (HTTP {res.status})")
+                f"unreachable: {res}" if isinstance(res, Exception) else (f"reachable (HTTP {res.status})")
             )
         ready = any(not isinstance(res, Exception) for _, res in results)
         body = {"status": "ready" if ready else "not ready", "upstreams": report}
@@ -257,7 +260,7 @@ class InfertapApp:
         failures: list[str] = []
         for up, res in results:
             if isinstance(res, Exception) or res.status != 200:
-                why = describe(res) if isinstance(res, Exception) else f"HTTP {res.status}"
+                why = str(res) if isinstance(res, Exception) else f"HTTP {res.status}"
                 failures.append(f"{up.name}: {why}")
                 continue
             try:
@@ -283,6 +286,7 @@ def create_app(
     *,
     registry: CollectorRegistry | None = None,
     metrics: bool = True,
+    client: Callable[[], UpstreamClient] = AiohttpClient,
 ) -> InfertapApp:
     """The proxy app. Observers run in order: tracing (it sets the trace id that metrics use as
     an exemplar), metrics, the access log, then `observers`."""
@@ -300,4 +304,4 @@ def create_app(
     if settings.ui.enabled:
         chain.append(UIObserver(settings, collector.model_label if collector is not None else None))
     chain.extend(observers)
-    return InfertapApp(settings, chain, collector)
+    return InfertapApp(settings, chain, collector, client)

@@ -13,16 +13,15 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import aiohttp
-
 from proxy.asgi import RawHeaders
-from proxy.errors import ERRORS, ErrorKind
+from proxy.errors import ERRORS, ErrorKind, UpstreamError
 from proxy.exchange import Exchange
 from proxy.observer import ObserverSet
 from proxy.request import retry_after
 from proxy.routes import Route
 from proxy.sse import SSEScanner
-from proxy.upstream import RETRYABLE_STATUS, Upstream, classify, describe
+from proxy.upstream import RETRYABLE_STATUS, Upstream
+from proxy.upstream_client import UpstreamClient, UpstreamResponse
 
 
 @dataclass(slots=True)
@@ -45,7 +44,7 @@ class Call:
 class Ready:
     """An attempt whose answer will be relayed."""
 
-    resp: aiohttp.ClientResponse
+    resp: UpstreamResponse
     chunks: AsyncIterator[bytes]
     scanner: SSEScanner | None = None
     pending: list[bytes] = field(default_factory=list)
@@ -64,8 +63,9 @@ class Failure:
 
 
 class Attempter:
-    def __init__(self, client: aiohttp.ClientSession, observers: ObserverSet) -> None:
+    def __init__(self, client: UpstreamClient, observers: ObserverSet) -> None:
         self.client = client
+        self.errors: tuple[type[BaseException], ...] = (UpstreamError, *client.errors)
         self.observers = observers
         # Upstreams that answered 400 to stream_options: infertap stops injecting it there.
         self.no_stream_options: set[str] = set()
@@ -97,17 +97,16 @@ class Attempter:
         obs.attempt_started(ex)
         scanner_type = call.route.scanner
         generation_stream = ex.stream and scanner_type is not None
-        resp: aiohttp.ClientResponse | None = None
+        resp: UpstreamResponse | None = None
         ready: Ready | None = None
         try:
             async with asyncio.timeout(up.ttft_timeout if generation_stream else None):
-                resp = await self.client.request(
+                resp = await self.client.send(
                     ex.method,
                     up.url(call.suffix),
-                    headers=self._keyed(ex.upstream_headers, up),
-                    data=call.body or None,
-                    timeout=up.timeout,
-                    allow_redirects=False,
+                    self._keyed(ex.upstream_headers, up),
+                    call.body or None,
+                    up.timeout,
                 )
                 ex.status_code = status = resp.status
                 ex.first_byte_at = time.perf_counter()
@@ -137,7 +136,7 @@ class Attempter:
                         )
                     ready = Ready(resp, _empty(), prefetched=content)
                     return ready
-                chunks = resp.content.iter_any()
+                chunks = resp.chunks()
                 is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
                 if scanner_type is None or not (generation_stream and status == 200 and is_sse):
                     ready = Ready(resp, chunks)
@@ -147,14 +146,13 @@ class Attempter:
                 )
                 ready = await self._until_first_output(resp, chunks, scanner)
                 return ready
-        except aiohttp.ClientError as e:  # before TimeoutError: aiohttp's timeouts are TimeoutErrors too
-            kind = classify(e)
+        except self.errors as e:  # before TimeoutError: a client's own timeouts may be TimeoutErrors too
+            err = self.client.error(e)
+            kind = err.kind
             if kind is ErrorKind.IDLE_TIMEOUT:
                 kind = ErrorKind.TTFT_TIMEOUT  # nothing relayed yet: still waiting for the first token
             info = ERRORS[kind]
-            return Failure(
-                kind, info.status, f"upstream '{up.name}' ({ex.upstream_url}) {info.what}: {describe(e)}"
-            )
+            return Failure(kind, info.status, f"upstream '{up.name}' ({ex.upstream_url}) {info.what}: {err}")
         except TimeoutError:
             return Failure(
                 ErrorKind.TTFT_TIMEOUT,
@@ -168,7 +166,7 @@ class Attempter:
 
     @staticmethod
     async def _until_first_output(
-        resp: aiohttp.ClientResponse, chunks: AsyncIterator[bytes], scanner: SSEScanner
+        resp: UpstreamResponse, chunks: AsyncIterator[bytes], scanner: SSEScanner
     ) -> Ready:
         """Reads a generation stream until its first output event (or its end), holding the bytes."""
         ready = Ready(resp, chunks, scanner)

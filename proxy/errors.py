@@ -75,6 +75,12 @@ def timeout_phase(label: str) -> str | None:
     return TIMEOUT_PHASES.get(label)
 
 
+def describe(exc: BaseException) -> str:
+    """A short, key-free description of a failure: the exception's type and message."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 class UpstreamError(Exception):
     """An upstream call that failed, named by the error table: what the seam
     (proxy.upstream_client) raises for every transport failure, whatever the HTTP client."""

@@ -16,12 +16,11 @@ import logging
 import time
 from typing import Any
 
-import aiohttp
 import orjson
 
 from proxy.asgi import BodyTooLarge, ClientGone, RawHeaders, Receive, Scope, Send, read_body, send_error
 from proxy.attempt import Attempter, Call, Failure, Ready
-from proxy.errors import ERRORS, ErrorKind, outcome_of
+from proxy.errors import ERRORS, ErrorKind, describe, outcome_of
 from proxy.exchange import Exchange, Outcome, prompt_class
 from proxy.observer import ObserverSet
 from proxy.relay import relay_body, relay_sse, response_headers, stamp_outputs, status_outcome, take_facts
@@ -36,7 +35,8 @@ from proxy.request import (
 )
 from proxy.routes import OTHER, Route
 from proxy.sse import StreamFacts, error_event
-from proxy.upstream import Router, Upstream, classify, describe
+from proxy.upstream import Router, Upstream
+from proxy.upstream_client import UpstreamClient
 
 log = logging.getLogger("infertap.forward")
 
@@ -45,7 +45,7 @@ class Forwarder:
     def __init__(
         self,
         router: Router,
-        client: aiohttp.ClientSession,
+        client: UpstreamClient,
         observers: ObserverSet,
         max_body_bytes: int,
         prompt_class_bounds: tuple[int, ...] = (1024, 4096, 16384),
@@ -361,11 +361,12 @@ class Forwarder:
                 capture = call.route.json_body and "json" in resp.headers.get("content-type", "")
                 facts = await relay_body(send, ready.chunks, capture, ex.capture_output_chars)
             read_all = True
-        except aiohttp.ClientError as e:
-            kind = classify(e)
+        except self.attempter.errors as e:
+            err = self.attempter.client.error(e)
+            kind = err.kind
             if kind not in (ErrorKind.IDLE_TIMEOUT, ErrorKind.TTFT_TIMEOUT):
                 kind = ErrorKind.READ_ERROR
-            msg = f"upstream '{ex.upstream}' failed mid-response: {describe(e)}"
+            msg = f"upstream '{ex.upstream}' failed mid-response: {err}"
             if ready.scanner is not None:
                 facts = ready.scanner.facts
             take_facts(ex, facts)

@@ -1,4 +1,4 @@
-"""Upstreams: the routing table (model -> upstream), the shared HTTP client, and how failures are named."""
+"""Upstreams: the routing table (model -> upstream), retry policy and circuit breaker."""
 
 from __future__ import annotations
 
@@ -7,38 +7,9 @@ import random
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-import aiohttp
-
-from proxy.errors import ErrorKind
 from proxy.request import display_url
 from proxy.settings import RetrySettings, Settings, UpstreamSettings
-
-# Most specific first: aiohttp's exception classes form a hierarchy (its timeouts are also
-# TimeoutErrors, so they must be told apart from infertap's own deadlines before those are).
-_EXCEPTION_KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
-    (aiohttp.ConnectionTimeoutError, ErrorKind.CONNECT_TIMEOUT),
-    (aiohttp.SocketTimeoutError, ErrorKind.IDLE_TIMEOUT),
-    (aiohttp.ServerTimeoutError, ErrorKind.IDLE_TIMEOUT),
-    (aiohttp.ClientConnectorError, ErrorKind.CONNECT_ERROR),
-    (aiohttp.ServerDisconnectedError, ErrorKind.READ_ERROR),
-    (aiohttp.ClientPayloadError, ErrorKind.READ_ERROR),
-    (aiohttp.ClientResponseError, ErrorKind.UPSTREAM_5XX),
-    (aiohttp.ClientConnectionError, ErrorKind.READ_ERROR),
-)
-
-
-def classify(exc: BaseException) -> ErrorKind:
-    for exc_type, kind in _EXCEPTION_KINDS:
-        if isinstance(exc, exc_type):
-            return kind
-    return ErrorKind.UPSTREAM_5XX
-
-
-def describe(exc: BaseException) -> str:
-    """A short, key-free description of a transport failure."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
+from proxy.upstream_client import Timeouts
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 
@@ -110,7 +81,7 @@ class Upstream:
     headers: dict[str, str]
     api_key_env: str | None
     api_key: str | None = field(repr=False)
-    timeout: aiohttp.ClientTimeout
+    timeout: Timeouts
     ttft_timeout: float
     total_timeout: float | None
     retry: RetryPolicy
@@ -134,9 +105,7 @@ class Upstream:
             dict(s.headers),
             s.api_key_env,
             s.api_key(),
-            aiohttp.ClientTimeout(
-                total=None, connect=t.connect + t.pool, sock_connect=t.connect, sock_read=t.idle
-            ),
+            Timeouts(t.connect, t.pool, t.idle),
             t.ttft,
             t.total,
             RetryPolicy.from_settings(s.effective_retry(settings.retry)),
@@ -192,29 +161,3 @@ class Router:
     def plan(self, first: Upstream) -> list[Upstream]:
         """The routed upstream, then its fallbacks, in order."""
         return self._plans[first.name]
-
-
-def make_client(max_connections: int = 1000) -> aiohttp.ClientSession:
-    """One pooled client for all upstreams. Must be created inside the running event loop.
-
-    aiohttp rather than httpx for the upstream side: its C parser and stream reader cost a
-    fraction of httpx's per chunk, and its pool does not scan every connection on each request
-    (httpcore's does, which dominated infertap's CPU at high concurrency; docs/benchmarks.md).
-    No environment proxies (a stray HTTP_PROXY would buffer streams), no cookies, no
-    decompression (bytes are relayed unchanged), no redirects.
-    """
-    connector = aiohttp.TCPConnector(
-        limit=max_connections,
-        limit_per_host=0,
-        # Expire idle connections before a typical server's 5 s keep-alive closes them under us.
-        keepalive_timeout=4.0,
-        ttl_dns_cache=300,
-    )
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=aiohttp.ClientTimeout(total=None),
-        trust_env=False,
-        auto_decompress=False,
-        cookie_jar=aiohttp.DummyCookieJar(),
-        skip_auto_headers=("User-Agent",),
-    )
