@@ -80,9 +80,9 @@ class ClientKeys:
 
 
 def _split_env_entry(entry: str, where: str) -> tuple[str, str]:
-    """`NAME=KEY` or a bare KEY. A bare key holding `=` (base64 padding) needs a name in front."""
+    """`NAME=KEY` or a bare KEY. A bare key may end in `=` padding; one with `=` inside needs a name."""
     name, sep, key = entry.partition("=")
-    if sep and key and NAME.fullmatch(name):
+    if sep and key.strip("=") and NAME.fullmatch(name):
         return _check_name(name, where), key
     return UNNAMED, entry
 
