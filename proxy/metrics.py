@@ -425,14 +425,14 @@ class Metrics(Observer):
         if prompt:
             self._c(self.prompt_tokens, model, upstream, client).inc(prompt)
             self._c(self.req_prompt_tokens, model, upstream).observe(prompt)
-        if ex.cached_tokens:
+        if ex.cached_tokens is not None:  # 0 too: the upstream reports them
             self._c(self.cached_tokens, model, upstream, client).inc(ex.cached_tokens)
         if ex.route == "embeddings":
             return
         completion = ex.output_tokens
         self._c(self.completion_tokens, model, upstream, client).inc(completion)
         self._c(self.req_completion_tokens, model, upstream).observe(completion)
-        if ex.reasoning_tokens:
+        if ex.reasoning_tokens is not None:
             self._c(self.reasoning_tokens, model, upstream, client).inc(ex.reasoning_tokens)
         if ex.completion_tokens is None:
             self._c(self.estimated, model, upstream).inc()
