@@ -19,7 +19,7 @@ import orjson
 from proxy import __version__
 from proxy.accesslog import AccessLog
 from proxy.asgi import Message, Receive, Scope, Send, error_body, header, send_error, send_json
-from proxy.auth import ClientKeys, bearer_token
+from proxy.auth import ANONYMOUS, ClientKeys, bearer_token, header_names
 from proxy.errors import UpstreamError, describe
 from proxy.forward import Forwarder
 from proxy.loops import LoopDetector
@@ -28,6 +28,7 @@ from proxy.observer import Observer, ObserverSet
 from proxy.request import RequestIds
 from proxy.routes import OTHER, PROXIED
 from proxy.settings import Settings
+from proxy.spend import SpendObserver
 from proxy.tracing import build_tracing
 from proxy.ui import UIObserver, UIRoutes
 from proxy.upstream import Router, Upstream
@@ -67,6 +68,7 @@ class InfertapApp:
         self.metrics = metrics
         # Read at construction, so that a bad key setting stops start-up with a clear message.
         self.client_keys = ClientKeys.from_settings(settings.auth)
+        self.client_header = header_names(settings.clients, self.client_keys)
         self.metrics_token = bearer_token(settings.auth.metrics_token_env)
         self.observers = ObserverSet(observers)
         self.request_ids = RequestIds()
@@ -142,11 +144,12 @@ class InfertapApp:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         method: str = scope["method"]
-        if (
-            self.client_keys is not None
-            and path.startswith("/v1/")
-            and not self.client_keys.check(header(scope, b"authorization"))
-        ):
+        client: str | None = ANONYMOUS
+        if self.client_keys is not None and path.startswith("/v1/"):
+            client = self.client_keys.identify(header(scope, b"authorization"))
+        elif self.client_header is not None:
+            client = self.client_header(header(scope, self.client_header.header))
+        if client is None:
             await send_error(
                 self._stamped(scope, send),
                 401,
@@ -168,6 +171,7 @@ class InfertapApp:
                     "method_not_allowed",
                 )
                 return
+            scope["infertap.client"] = client  # the bounded name, read by the forwarder into the Exchange
             await self.runtime.forwarder.handle(scope, receive, send, route)
             return
         handler = self._plain.get((method, path))
@@ -175,6 +179,7 @@ class InfertapApp:
             await handler(scope, receive, self._stamped(scope, send))
             return
         if path.startswith("/v1/"):
+            scope["infertap.client"] = client
             await self.runtime.forwarder.handle(scope, receive, send, OTHER)
             return
         await send_error(
@@ -288,9 +293,12 @@ def create_app(
     metrics: bool = True,
     client: Callable[[], UpstreamClient] = AiohttpClient,
 ) -> InfertapApp:
-    """The proxy app. Observers run in order: tracing (it sets the trace id that metrics use as
-    an exemplar), metrics, the access log, then `observers`."""
+    """The proxy app. No observer depends on another's place in the chain: the spend observer
+    prices a request in `finished`, which runs for all before the readers' `ended`; tracing sets
+    the trace id (metrics' exemplar) in `request_received`, before anyone reads it."""
     chain: list[Observer] = []
+    if settings.spend.prices:
+        chain.append(SpendObserver(settings.spend))
     tracer = build_tracing(settings)
     if tracer is not None:
         chain.append(tracer)

@@ -77,11 +77,22 @@ class Exchange:
     attempt_started_at: float | None = None
     first_byte_at: float | None = None
     first_token_at: float | None = None
+    # The first answer event (content, not reasoning): later than first_token_at for a reasoning model.
+    first_answer_at: float | None = None
     last_token_at: float | None = None
     finished_at: float | None = None
     output_events: int = 0
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    # From the usage's details, when the upstream reports them (prompt_tokens_details.cached_tokens,
+    # completion_tokens_details.reasoning_tokens, or the Responses API's input/output_tokens_details).
+    cached_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    # The bounded client name (proxy/auth.py): a configured name, "anonymous", "unnamed" or "other".
+    client: str = "anonymous"
+    # What the tokens cost in [spend]'s currency; None when spend is off or the model has no price.
+    cost: float | None = None
+    unpriced: bool = False
     response_id: str | None = None
     response_model: str | None = None
     finish_reasons: list[str] = field(default_factory=list)
@@ -106,6 +117,13 @@ class Exchange:
         if self.first_token_at is None:
             return None
         return self.first_token_at - self.received_at
+
+    @property
+    def ttft_answer(self) -> float | None:
+        """Time to the first answer token (after any reasoning): what a reasoning model's user waits."""
+        if self.first_answer_at is None:
+            return None
+        return self.first_answer_at - self.received_at
 
     @property
     def ttfb(self) -> float | None:

@@ -63,6 +63,7 @@ class Forwarder:
     # -- request intake ---------------------------------------------------------------------
     async def handle(self, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
         ex = Exchange(self.request_id(scope), route.label, scope["method"], scope["path"])
+        ex.client = scope.get("infertap.client", ex.client)
         for key, value in scope["headers"]:
             if key == b"traceparent" or key == b"tracestate":
                 ex.trace_context[key.decode()] = value.decode("latin-1")

@@ -19,6 +19,7 @@ from proxy.model_labels import NONE, OTHER, ModelLabels
 from proxy.observer import Observer
 from proxy.routes import route_of
 from proxy.settings import MetricsSettings, Settings
+from proxy.spend import billed_tokens
 
 # vLLM's TTFT boundaries plus our SLO points, so proxy and engine histograms line up.
 TTFT_BUCKETS = (
@@ -143,7 +144,7 @@ class Metrics(Observer):
         self.requests = Counter(
             "infertap_requests_total",
             "Requests by how they ended.",
-            ["route", "model", "upstream", "stream", "outcome"],
+            ["route", "model", "upstream", "stream", "outcome", "client"],
             registry=r,
         )
         self.duration = Histogram(
@@ -185,14 +186,46 @@ class Metrics(Observer):
         self.prompt_tokens = Counter(
             "infertap_prompt_tokens_total",
             "Prompt tokens (from usage; estimated from text when absent).",
-            ["model", "upstream"],
+            ["model", "upstream", "client"],
             registry=r,
         )
         self.completion_tokens = Counter(
             "infertap_completion_tokens_total",
             "Completion tokens (from usage; counted events when absent).",
+            ["model", "upstream", "client"],
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "infertap_cached_prompt_tokens",
+            "Prompt tokens the upstream served from its prefix cache (usage's cached_tokens).",
+            ["model", "upstream", "client"],
+            registry=r,
+        )
+        self.reasoning_tokens = Counter(
+            "infertap_reasoning_tokens",
+            "Completion tokens spent on hidden reasoning (usage's reasoning_tokens; part of completion).",
+            ["model", "upstream", "client"],
+            registry=r,
+        )
+        self.spend = Counter(
+            "infertap_spend",
+            f"What the tokens cost, in {settings.spend.currency}, from the prices in [spend] "
+            "(requests that ended ok).",
+            ["model", "upstream", "client"],
+            registry=r,
+        )
+        self.unpriced = Counter(
+            "infertap_unpriced_tokens",
+            "Tokens (prompt and completion) of models without a price in [spend.prices].",
             ["model", "upstream"],
             registry=r,
+        )
+        self.budget = Gauge(
+            "infertap_spend_daily_budget",
+            f"A client's daily budget in {settings.spend.currency} ([spend] daily_budget, budgets).",
+            ["client"],
+            registry=r,
+            multiprocess_mode="max",
         )
         self.estimated = Counter(
             "infertap_requests_without_usage_total",
@@ -213,6 +246,14 @@ class Metrics(Observer):
             ["model", "upstream"],
             registry=r,
             buckets=TOKEN_BUCKETS,
+        )
+        self.ttft_answer = Histogram(
+            "infertap_time_to_first_answer_token_seconds",
+            "From request receipt to the first answer (not reasoning) event handed to the client; "
+            "equals TTFT for a stream without reasoning.",
+            ["model", "upstream"],
+            registry=r,
+            buckets=m.ttft_buckets or TTFT_BUCKETS,
         )
         self.attempts = Counter(
             "infertap_upstream_attempts_total",
@@ -253,6 +294,12 @@ class Metrics(Observer):
             "infertap_build_info", "infertap's version.", ["version"], registry=r, multiprocess_mode="max"
         )
         self.build_info.labels(__version__).set(1)
+        self.spend_on = bool(settings.spend.prices)
+        self.budgets = dict(settings.spend.budgets)
+        self.default_budget = settings.spend.daily_budget
+        self._budgeted: set[str] = set()
+        for client in self.budgets:
+            self._set_budget(client)
         for up in settings.upstreams:
             # Known children up front: dashboards see zeros instead of missing series.
             self.in_flight.labels(up.name)
@@ -312,7 +359,8 @@ class Metrics(Observer):
         outcome = ex.outcome.value if ex.outcome is not None else NONE
         stream = "true" if ex.stream else "false"
         self._c(self.in_flight, routed).dec()
-        self._c(self.requests, ex.route, model, upstream, stream, outcome).inc()
+        client = ex.client
+        self._c(self.requests, ex.route, model, upstream, stream, outcome, client).inc()
         if ex.attempts:
             result = "cancelled" if ex.outcome is Outcome.CLIENT_DISCONNECT else outcome
             self._c(self.attempts, upstream, result).inc()
@@ -329,17 +377,41 @@ class Metrics(Observer):
         tpot = ex.tpot
         if tpot is not None:
             self._c(self.tpot, model, upstream).observe(tpot)
+        ttft_answer = ex.ttft_answer
+        if ttft_answer is not None:
+            self._c(self.ttft_answer, model, upstream).observe(ttft_answer)
+        if self.spend_on:
+            self._spend(ex, model, upstream, client)
         prompt = ex.prompt_tokens if ex.prompt_tokens is not None else ex.estimated_prompt_tokens
         if prompt:
-            self._c(self.prompt_tokens, model, upstream).inc(prompt)
+            self._c(self.prompt_tokens, model, upstream, client).inc(prompt)
             self._c(self.req_prompt_tokens, model, upstream).observe(prompt)
+        if ex.cached_tokens is not None:  # 0 too: the upstream reports them
+            self._c(self.cached_tokens, model, upstream, client).inc(ex.cached_tokens)
         if not route_of(ex.route).generation:
             return
         completion = ex.output_tokens
-        self._c(self.completion_tokens, model, upstream).inc(completion)
+        self._c(self.completion_tokens, model, upstream, client).inc(completion)
         self._c(self.req_completion_tokens, model, upstream).observe(completion)
+        if ex.reasoning_tokens is not None:
+            self._c(self.reasoning_tokens, model, upstream, client).inc(ex.reasoning_tokens)
         if ex.completion_tokens is None:
             self._c(self.estimated, model, upstream).inc()
+
+    def _spend(self, ex: Exchange, model: str, upstream: str, client: str) -> None:
+        """ex.cost was set by the spend observer (proxy/spend.py), which runs before this one."""
+        if ex.cost is not None:
+            self._c(self.spend, model, upstream, client).inc(ex.cost)
+            if client not in self._budgeted:
+                self._set_budget(client)
+        elif ex.unpriced:
+            self._c(self.unpriced, model, upstream).inc(sum(billed_tokens(ex)))
+
+    def _set_budget(self, client: str) -> None:
+        self._budgeted.add(client)
+        budget = self.budgets.get(client, self.default_budget)
+        if budget is not None:
+            self.budget.labels(client).set(budget)
 
     def degenerate_response(self, ex: Exchange, score: float) -> None:
         """Called by the loop detector (proxy/loops.py) for an answer that repeats itself."""

@@ -62,7 +62,11 @@ class Observer:
 
     def ended(self, ex: Exchange) -> None:
         """After whichever terminal hook fired (finished, failed or client_disconnected), for an
-        observer that only needs to know that the request ended: `ex.outcome` says how."""
+        observer that only needs to know that the request ended: `ex.outcome` says how.
+
+        Every observer's terminal hook runs before any observer's `ended`: what one observer
+        derives for the others (the spend observer's `ex.cost`) is set in a terminal hook and
+        read in `ended`, so no observer depends on the order in which they were registered."""
 
     def upstream_health(self, ex: Exchange, upstream: str, up: bool) -> None:
         """An upstream's circuit opened (up=False) or closed again (up=True) during `ex`."""

@@ -11,7 +11,7 @@ from proxy.asgi import RawHeaders, Send
 from proxy.exchange import Exchange, Outcome
 from proxy.observer import ObserverSet
 from proxy.request import DROP_RESPONSE, MAX_JSON_CAPTURE
-from proxy.sse import SSEScanner, StreamFacts, absorb_response, usage_tokens
+from proxy.sse import SSEScanner, StreamFacts, absorb_response, usage_details, usage_tokens
 
 # Set on every stream below: the upstream's own copies would be sent twice (sse-starlette sends one).
 _SSE_OWN = frozenset({b"cache-control", b"x-accel-buffering"})
@@ -50,8 +50,15 @@ def stamp_outputs(ex: Exchange, obs: ObserverSet, outputs: int, now: float) -> N
 async def relay_sse(
     send: Send, ex: Exchange, obs: ObserverSet, chunks: AsyncIterator[bytes], scanner: SSEScanner
 ) -> None:
-    """The hot loop: one scan, one send and, for output events, a timestamp and a hook."""
+    """The hot loop: one scan, one send and, for output events, a timestamp and a hook.
+
+    The first answer event (not reasoning) is stamped too; the events held before commit were
+    stamped at one instant, so an answer among them takes that instant.
+    """
     perf = time.perf_counter
+    facts = scanner.facts
+    if facts.answered and ex.first_answer_at is None:
+        ex.first_answer_at = ex.last_token_at
     try:
         async for data in chunks:
             out, outputs = scanner.feed(data)
@@ -59,7 +66,10 @@ async def relay_sse(
                 continue
             await send({"type": "http.response.body", "body": out, "more_body": True})
             if outputs:
-                stamp_outputs(ex, obs, outputs, perf())
+                now = perf()
+                stamp_outputs(ex, obs, outputs, now)
+                if ex.first_answer_at is None and facts.answered:
+                    ex.first_answer_at = now
     finally:
         tail = scanner.flush()
         if tail:
@@ -99,6 +109,11 @@ def take_facts(ex: Exchange, facts: StreamFacts) -> None:
             ex.prompt_tokens = prompt
         if isinstance(completion, int):
             ex.completion_tokens = completion
+        cached, reasoning = usage_details(usage)
+        if isinstance(cached, int):
+            ex.cached_tokens = cached
+        if isinstance(reasoning, int):
+            ex.reasoning_tokens = reasoning
     ex.response_id = facts.response_id
     ex.response_model = facts.response_model
     ex.finish_reasons = facts.finish_reasons

@@ -156,6 +156,52 @@ class LoopSettings(_Section):
     min_tokens: int = Field(default=40, ge=1, description="shorter answers are not scored")
 
 
+class ClientSettings(_Section):
+    """Who sent a request: the `client` label (docs/spend.md). With client keys the name comes from
+    the key (`[auth]`); without them, an optional trusted header may name the client."""
+
+    header: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9-]+$",
+        description="trusted header naming the client when no client keys are set (e.g. X-Infertap-Client)",
+    )
+    max_clients: int = Field(
+        default=100, ge=1, description="distinct client names from the header; the rest is 'other'"
+    )
+
+
+class PriceSettings(_Section):
+    """Prices per million tokens for the models matching `models` (globs on the requested model)."""
+
+    models: list[str] = Field(min_length=1, description="glob patterns; the first matching entry wins")
+    input_per_mtok: float = Field(ge=0, description="per million prompt tokens not served from cache")
+    cached_input_per_mtok: float | None = Field(
+        default=None, ge=0, description="per million cached prompt tokens (default: input_per_mtok)"
+    )
+    output_per_mtok: float = Field(ge=0, description="per million completion tokens, reasoning included")
+
+
+class SpendSettings(_Section):
+    """What the tokens cost, from these prices only (no pricing service is ever called)."""
+
+    currency: str = Field(default="USD", min_length=1, max_length=16)
+    prices: list[PriceSettings] = Field(default_factory=list)
+    daily_budget: float | None = Field(
+        default=None, gt=0, description="per client and day, exported for the budget alert"
+    )
+    budgets: dict[str, float] = Field(
+        default_factory=dict, description="per-client daily budgets (client name -> amount)"
+    )
+
+    @field_validator("budgets")
+    @classmethod
+    def _positive(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = sorted(k for k, x in v.items() if x <= 0)
+        if bad:
+            raise ValueError(f"budgets must be positive: {bad}")
+        return v
+
+
 class UpstreamSettings(_Section):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
     base_url: str = Field(description="the OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
@@ -243,6 +289,8 @@ class Settings(BaseSettings):
     tracing: TracingSettings = Field(default_factory=TracingSettings)
     loops: LoopSettings = Field(default_factory=LoopSettings)
     ui: UISettings = Field(default_factory=UISettings)
+    clients: ClientSettings = Field(default_factory=ClientSettings)
+    spend: SpendSettings = Field(default_factory=SpendSettings)
     sim_config: str | None = Field(
         default=None, description="engine config.toml for the embedded simulated engine"
     )

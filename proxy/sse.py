@@ -21,6 +21,14 @@ _OUTPUT = re.compile(
     rb'"(?:content|text|reasoning_content|reasoning|refusal)"\s*:\s*"(?!")'
     rb'|"(?:tool_calls|function_call)"\s*:\s*[\[{]'
 )
+# An answer event: output that is not reasoning (reasoning_content/reasoning deltas come first in a
+# reasoning model's stream). Searched only until the first one is found.
+_ANSWER = re.compile(
+    rb'"(?:content|text|refusal)"\s*:\s*"(?!")'
+    rb'|"(?:tool_calls|function_call)"\s*:\s*[\[{]'
+)
+# Responses API reasoning deltas: response.reasoning_text.delta, response.reasoning_summary_text.delta.
+_RESPONSES_REASONING = re.compile(rb'"type"\s*:\s*"response\.reasoning')
 # Anchored at a key found with bytes.find (a C memchr-speed scan): `match` at one position is
 # far cheaper than `search` over every position.
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
@@ -61,6 +69,8 @@ class StreamFacts:
     finish_reasons: list[str] = field(default_factory=list)
     error_events: int = 0
     events: int = 0
+    # An answer (not reasoning) output event has been seen: stops the search for one.
+    answered: bool = False
     # Output text of the first choice, collected only when capture_chars > 0 (opt-in).
     capture_chars: int = 0
     text: list[str] = field(default_factory=list)
@@ -152,6 +162,8 @@ class SSEScanner:
         facts = self.facts
         facts.events += 1
         if _carries_output(event):
+            if not facts.answered:
+                facts.answered = _carries_answer(event)
             if (
                 facts.events == 1
                 or facts.wants_text()
@@ -203,6 +215,8 @@ class ResponsesScanner(SSEScanner):
         facts = self.facts
         facts.events += 1
         if _has(event, b'"delta"', _DELTA_TEXT):
+            if not facts.answered:
+                facts.answered = not _has(event, b'"type"', _RESPONSES_REASONING)
             if facts.wants_text():
                 self._parse(event)
             return 1, True
@@ -219,6 +233,13 @@ def _carries_output(event: bytes) -> bool:
     if i >= 0 and _NONEMPTY_STRING.match(event, i + 9) is not None:
         return True
     return _OUTPUT.search(event) is not None
+
+
+def _carries_answer(event: bytes) -> bool:
+    i = event.find(b'"content"')
+    if i >= 0 and _NONEMPTY_STRING.match(event, i + 9) is not None:
+        return True
+    return _ANSWER.search(event) is not None
 
 
 def _has(event: bytes, key: bytes, pattern: re.Pattern[bytes]) -> bool:
@@ -244,6 +265,16 @@ def usage_tokens(usage: dict[str, Any]) -> tuple[object, object]:
     # Chat and text completions name them prompt/completion, the Responses API input/output.
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
     return prompt, usage.get("completion_tokens", usage.get("output_tokens"))
+
+
+def usage_details(usage: dict[str, Any]) -> tuple[object, object]:
+    """(cached prompt, reasoning) tokens of a usage object, None where it does not say."""
+    prompt = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
+    completion = usage.get("completion_tokens_details", usage.get("output_tokens_details"))
+    return (
+        prompt.get("cached_tokens") if isinstance(prompt, dict) else None,
+        completion.get("reasoning_tokens") if isinstance(completion, dict) else None,
+    )
 
 
 def _absorb_identity(facts: StreamFacts, obj: dict[str, Any]) -> None:

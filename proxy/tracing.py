@@ -160,7 +160,7 @@ def _number(v: Any) -> bool:
 
 def _request_attrs(ex: Exchange) -> tuple[str, Attrs]:
     op = route_of(ex.route).operation
-    attrs: Attrs = {"infertap.request_id": ex.request_id}
+    attrs: Attrs = {"infertap.request_id": ex.request_id, "infertap.client": ex.client}
     if op is None:
         name = f"{ex.method} {ex.route}"
     else:
@@ -205,8 +205,15 @@ def _response_attrs(ex: Exchange) -> Attrs:
     if ex.completion_tokens is not None or ex.output_events:
         attrs["gen_ai.usage.output_tokens"] = ex.output_tokens
         attrs["infertap.output_tokens_source"] = str(ex.token_source)
+    if ex.cached_tokens is not None:
+        attrs["gen_ai.usage.cache_read.input_tokens"] = ex.cached_tokens
+    if ex.reasoning_tokens is not None:
+        attrs["infertap.usage.reasoning_tokens"] = ex.reasoning_tokens
+    if ex.cost is not None:
+        attrs["infertap.cost"] = ex.cost
     # The same Exchange properties the metrics observe.
-    for key, value in (("ttft_s", ex.ttft), ("tpot_s", ex.tpot), ("ttfb_s", ex.ttfb)):
+    timings = (("ttft_s", ex.ttft), ("ttft_answer_s", ex.ttft_answer), ("tpot_s", ex.tpot))
+    for key, value in (*timings, ("ttfb_s", ex.ttfb)):
         if value is not None:
             attrs[f"infertap.{key}"] = value
     if ex.ttft is not None:
@@ -326,6 +333,10 @@ class TracingObserver(Observer):
             st.attempt.end(end)
         server = st.server
         server.set_attributes(attrs)
+        if ex.first_answer_at is not None and ex.first_answer_at != ex.first_token_at:
+            # A reasoning model's answer starts later than its first (reasoning) token.
+            answer = {"infertap.ttft_answer_s": ex.ttft_answer or 0.0}
+            server.add_event("first_answer_token", answer, _wall(ex, ex.first_answer_at))
         if self.capture_content:
             server.set_attributes(self._content(ex))
         phase = timeout_phase(outcome.value)

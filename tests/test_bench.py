@@ -78,7 +78,7 @@ def test_quick_bench_reports_every_scenario(tmp_path: Path) -> None:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=110,
+        timeout=150,
     )
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     report: dict[str, Any] = json.loads(out.read_text())

@@ -29,11 +29,12 @@ def load(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def test_three_dashboards() -> None:
+def test_four_dashboards() -> None:
     assert [p.name for p in DASHBOARDS] == [
         "infertap-engine.json",
         "infertap-overview.json",
         "infertap-prefill-decode.json",
+        "infertap-usage-spend.json",
     ]
 
 
@@ -117,6 +118,7 @@ def test_required_panels() -> None:
     assert {
         "TTFT heatmap",
         "TTFT p95 by prompt class",
+        "Prefix cache hit ratio",
         "TTFB vs TTFT",
         "Output length distribution",
         "TTFT p95: now, 1 day and 1 week earlier",
@@ -128,6 +130,13 @@ def test_required_panels() -> None:
         "Prefix cache hit rate",
         "Preemptions/s",
     } <= titles["infertap-engine"]
+    assert {
+        "Spend rate per client (per day)",
+        "Spend/s by model",
+        "Prompt tokens/s by client",
+        "Prefix cache hit ratio by model",
+        "Reasoning share by model",
+    } <= titles["infertap-usage-spend"]
 
 
 def test_provisioning_points_at_the_dashboards() -> None:

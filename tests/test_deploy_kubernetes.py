@@ -96,7 +96,7 @@ def test_dashboards_configmap(rendered: tuple[Path, list[dict[str, Any]]]) -> No
         if d["metadata"]["name"].startswith("infertap-dashboards")
     ]
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
-    for name in ("infertap-overview.json", "infertap-prefill-decode.json", "infertap-engine.json"):
+    for name in (p.name for p in (ROOT / "dashboards").glob("*.json")):
         assert json.loads(cm["data"][name]) == json.loads((ROOT / "dashboards" / name).read_text())
 
 
@@ -105,7 +105,7 @@ def test_prometheusrule_is_the_same_rules_and_valid(
 ) -> None:
     (rule,) = by_kind(rendered[1], "PrometheusRule")
     groups = []
-    for f in ("infertap-recording.yml", "infertap-alerts.yml"):
+    for f in ("infertap-recording.yml", "infertap-alerts.yml", "infertap-spend.yml"):
         groups += yaml.safe_load((ROOT / "deploy/prometheus/rules" / f).read_text())["groups"]
     assert rule["spec"]["groups"] == groups
     out = tmp_path / "rules.yml"

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "rules"
 REQUESTS = 20
 MODEL = "sim-model"
+UNPRICED = "unpriced-model"  # one request, so that infertap_unpriced_tokens_total has a series
 
 # (dashboard file stem, panel title) -> why its queries may return nothing after a short healthy load
 EMPTY_OK = {
@@ -109,7 +110,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         engine_hostport = engine_url.split("://", 1)[1].split("/", 1)[0]
 
         port = free_port()
-        env = {**os.environ, "INFERTAP_UPSTREAMS": json.dumps([{"name": "sim", "base_url": engine_url}])}
+        env = {
+            **os.environ,
+            "INFERTAP_UPSTREAMS": json.dumps([{"name": "sim", "base_url": engine_url}]),
+            # Prices for the sim's model (the spend panels and alert get data); UNPRICED has none.
+            "INFERTAP_SPEND__PRICES": json.dumps(
+                [{"models": ["sim-*"], "input_per_mtok": 1.0, "output_per_mtok": 2.0}]
+            ),
+            "INFERTAP_SPEND__DAILY_BUDGET": "1000",
+        }
         env.pop("TAOTOKEN_API_KEY", None)
         proxy = subprocess.Popen(
             [sys.executable, "-m", "proxy", "serve", "--host", "127.0.0.1", "--port", str(port)],
@@ -197,6 +206,8 @@ def loaded(stack: dict[str, str]) -> dict[str, str]:
                 assert r.status_code == 200, r.read()
                 text = "".join(r.iter_text())
             assert "data: [DONE]" in text
+        body = {"model": UNPRICED, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
     wait_for(
         "the load scraped",
         lambda: values(api, f"sum(infertap_time_to_first_token_seconds_count) >= {REQUESTS}"),

@@ -65,7 +65,8 @@ def test_openai_sdk_sync_and_async_through_the_embedded_default(embedded: str) -
     assert full_text.strip() and streamed_text.strip()
     metrics = httpx.get(f"{embedded}/metrics").text
     assert (
-        'infertap_requests_total{model="sim-model",outcome="ok",route="chat.completions",stream="true",'
+        'infertap_requests_total{client="anonymous",model="sim-model",outcome="ok",route="chat.completions",'
+        'stream="true",'
         'upstream="sim"}' in metrics
     )
 

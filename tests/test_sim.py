@@ -160,7 +160,13 @@ def test_stream_wire_format_without_and_with_usage() -> None:
         assert others[-1]["choices"][0]["finish_reason"] == "length"
         assert usage_chunk["choices"] == []
         # "hello world": 2 tokens, + 2 for the one message, + 1 for the assistant turn.
-        assert usage_chunk["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+        assert usage_chunk["usage"] == {
+            "prompt_tokens": 5,
+            "completion_tokens": 3,
+            "total_tokens": 8,
+            "prompt_tokens_details": {"cached_tokens": 0},  # a first request: nothing cached yet
+            "completion_tokens_details": {"reasoning_tokens": 0},
+        }
 
 
 def test_openai_sdk_chat_completions_embeddings_models() -> None:

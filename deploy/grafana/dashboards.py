@@ -1,4 +1,4 @@
-"""The three infertap Grafana dashboards, as data. `python deploy/generate.py` writes dashboards/*.json.
+"""The infertap Grafana dashboards, as data. `python deploy/generate.py` writes dashboards/*.json.
 
 Editing a dashboard: change it here (or export it from Grafana and port the change here), regenerate,
 and commit both; tests/test_dashboards.py fails when the JSON and this file disagree.
@@ -404,6 +404,14 @@ def prefill_decode() -> dict[str, Any]:
                 "Prefill grows with prompt length: compare each class with itself, not the mix. " + FAULTS[3],
             ),
             ts(
+                "Prefix cache hit ratio",
+                [q(cache_hit_ratio("model, upstream"), "{{model}} @ {{upstream}}")],
+                "percentunit",
+                "Share of prompt tokens the upstream served from its prefix cache (usage's cached_tokens): "
+                "the engine's KV cache seen from the client's side. Hits cut TTFT: read it next to TTFT "
+                "by prompt class. 0 where the upstream reports no cached tokens.",
+            ),
+            ts(
                 "Requests/s by prompt class",
                 [q(f"sum by (prompt_class) (rate({ttft}_count{{{SEL}}}[{RI}]))", "{{prompt_class}}")],
                 "reqps",
@@ -613,8 +621,142 @@ def engine() -> dict[str, Any]:
     )
 
 
+def cache_hit_ratio(by: str) -> str:
+    """Cached / all prompt tokens; 0 (not empty) where the upstream reports no cached tokens."""
+    prompt = f"sum by ({by}) (rate(infertap_prompt_tokens_total{{{SEL}}}[{RI}]))"
+    cached = f"sum by ({by}) (rate(infertap_cached_prompt_tokens_total{{{SEL}}}[{RI}]))"
+    return f"({cached} or 0 * {prompt}) / {prompt}"
+
+
+def usage_spend() -> dict[str, Any]:
+    """Who uses what and what it costs (docs/spend.md): spend and tokens per client and model."""
+    spend = f"infertap_spend_total{{{SEL}}}"
+    tokens = f"infertap_prompt_tokens_total{{{SEL}}}"
+    completion = f"infertap_completion_tokens_total{{{SEL}}}"
+    reasoning = f"infertap_reasoning_tokens_total{{{SEL}}}"
+    day = f"sum by (client) (rate({spend}[1h])) * 86400"
+    budget = f"max by (client) (infertap_spend_daily_budget) and on (client) ({day})"
+    return dashboard(
+        "infertap-usage-spend",
+        "infertap / Usage and spend",
+        "Who uses what and what it costs: tokens and spend per client and model, prefix cache hits, "
+        "reasoning share. Spend comes from the prices in infertap's [spend] config.",
+        [
+            row("Spend"),
+            stat(
+                "Spend, last 24 h",
+                f"sum(increase({spend}[24h]))",
+                "none",
+                "What the tokens cost over the last day, in [spend]'s currency (requests that ended ok).",
+            ),
+            stat(
+                "Unpriced tokens, last 24 h",
+                f"sum(increase(infertap_unpriced_tokens_total{{{SEL}}}[24h]))",
+                "short",
+                "Tokens of models without a price in [spend.prices]: not in the spend. infertap logs each "
+                "such model once.",
+            ),
+            stat(
+                "Prefix cache hit ratio",
+                cache_hit_ratio(""),
+                "percentunit",
+                "Cached / all prompt tokens, all clients and models.",
+            ),
+            stat(
+                "Reasoning share",
+                f"(sum(rate({reasoning}[{RI}])) or 0 * sum(rate({completion}[{RI}]))) "
+                f"/ sum(rate({completion}[{RI}]))",
+                "percentunit",
+                "Share of completion tokens that were hidden reasoning (usage's reasoning_tokens).",
+            ),
+            ts(
+                "Spend rate per client (per day)",
+                [
+                    q(day, "{{client}}"),
+                    q(budget, "{{client}} budget"),
+                ],
+                "none",
+                "Spend per client over the last hour, scaled to a day, against its daily budget "
+                "([spend] daily_budget, budgets). InfertapClientOverBudget fires when it stays above.",
+                w=24,
+            ),
+            ts(
+                "Spend/s by model",
+                [q(f"sum by (model) (rate({spend}[{RI}]))", "{{model}}")],
+                "none",
+                "What each model costs per second, all clients.",
+                stack=True,
+            ),
+            ts(
+                "Spend/s by client and upstream",
+                [q(f"sum by (client, upstream) (rate({spend}[{RI}]))", "{{client}} @ {{upstream}}")],
+                "none",
+                "Which client's traffic costs what, and on which upstream.",
+                stack=True,
+            ),
+            row("Tokens"),
+            ts(
+                "Prompt tokens/s by client",
+                [q(f"sum by (client) (rate({tokens}[{RI}]))", "{{client}}")],
+                "short",
+                "Prompt tokens per client (named by its key, 'anonymous' without client keys).",
+                stack=True,
+            ),
+            ts(
+                "Completion tokens/s by client",
+                [q(f"sum by (client) (rate({completion}[{RI}]))", "{{client}}")],
+                "short",
+                "Completion tokens per client, reasoning included.",
+                stack=True,
+            ),
+            ts(
+                "Tokens/s by model",
+                [
+                    q(f"sum by (model) (rate({tokens}[{RI}]))", "{{model}} prompt"),
+                    q(f"sum by (model) (rate({completion}[{RI}]))", "{{model}} completion"),
+                ],
+                "short",
+                "Prompt and completion tokens per model, all clients.",
+            ),
+            ts(
+                "Prefix cache hit ratio by model",
+                [q(cache_hit_ratio("model, upstream"), "{{model}} @ {{upstream}}")],
+                "percentunit",
+                "Cached / all prompt tokens. Cached tokens are cheaper where [spend.prices] gives "
+                "cached_input_per_mtok. 0 where the upstream reports no cached tokens.",
+            ),
+            ts(
+                "Reasoning share by model",
+                [
+                    q(
+                        f"(sum by (model) (rate({reasoning}[{RI}])) or 0 * sum by (model) "
+                        f"(rate({completion}[{RI}]))) / sum by (model) (rate({completion}[{RI}]))",
+                        "{{model}}",
+                    )
+                ],
+                "percentunit",
+                "Share of completion tokens spent on hidden reasoning: paid for, never shown.",
+            ),
+            ts(
+                "Time to first token vs first answer token (p95)",
+                [
+                    q(hq(0.95, "infertap_time_to_first_token_seconds", SEL, "model"), "{{model}} first"),
+                    q(
+                        hq(0.95, "infertap_time_to_first_answer_token_seconds", SEL, "model"),
+                        "{{model}} first answer token",
+                    ),
+                ],
+                "s",
+                "For reasoning models the answer starts after the reasoning: the second line is what "
+                "users waiting for an answer feel. The two are equal for other models.",
+            ),
+        ],
+    )
+
+
 DASHBOARDS = {
     "infertap-overview.json": overview,
     "infertap-prefill-decode.json": prefill_decode,
     "infertap-engine.json": engine,
+    "infertap-usage-spend.json": usage_spend,
 }

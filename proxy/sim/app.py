@@ -117,12 +117,15 @@ class _Format:
                 "choices": [choice], "usage": usage}  # fmt: skip
 
 
-def _usage(seq: Sequence) -> dict[str, int]:
+def _usage(seq: Sequence) -> dict[str, Any]:
     prompt = len(seq.spec.prompt)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": seq.generated,
         "total_tokens": prompt + seq.generated,
+        # As OpenAI and vLLM (--enable-prompt-tokens-details) report them: prefix cache hits.
+        "prompt_tokens_details": {"cached_tokens": seq.cached},
+        "completion_tokens_details": {"reasoning_tokens": 0},
     }
 
 

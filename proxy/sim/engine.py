@@ -218,6 +218,7 @@ class Engine:
     def _admit(self, seq: Sequence, hits: int) -> None:
         seq.state = State.RUNNING
         seq.computed = hits
+        seq.cached = hits
         if seq.scheduled_at is None:
             seq.scheduled_at = time.monotonic()
         self.running.append(seq)

@@ -73,6 +73,7 @@ class Sequence:
     state: State = State.WAITING
     target: int = 0  # tokens to prefill before the next token can be sampled
     computed: int = 0  # tokens whose K/V exist
+    cached: int = 0  # prompt tokens served from the prefix cache (usage's cached_tokens)
     blocks: int = 0
     generated: int = 0
     scheduled_at: float | None = None

@@ -45,6 +45,27 @@ DEAD_COLLECTOR = "infertap+tracing, dead collector"
 UI_OFF = "infertap, /ui off"
 # Loop detection is off by default because it makes the scanner parse every output event.
 LOOPS_ON = "infertap, loop detection on"
+# Spend ([spend] prices) and named clients (a client key per request, checked and named) are off by
+# default; this one has both on, to show what pricing every request and naming its client cost.
+SPEND_ON = "infertap, spend + named clients on"
+BENCH_KEY = "sk-bench-client"
+SPEND_ENV = {
+    "INFERTAP_AUTH__KEYS_ENV": "INFERTAP_BENCH_CLIENT_KEYS",
+    "INFERTAP_BENCH_CLIENT_KEYS": f"ci=sk-ci-client,bench={BENCH_KEY}",
+    "INFERTAP_SPEND__CURRENCY": "USD",
+    "INFERTAP_SPEND__DAILY_BUDGET": "100",
+    "INFERTAP_SPEND__PRICES": json.dumps(
+        [
+            {"models": ["gpt-*"], "input_per_mtok": 2.5, "output_per_mtok": 10.0},
+            {
+                "models": ["bench-*"],
+                "input_per_mtok": 1.0,
+                "cached_input_per_mtok": 0.1,
+                "output_per_mtok": 4.0,
+            },
+        ]
+    ),
+}
 # The traced infertap exports spans every TRACE_FLUSH_S (OTEL_BSP_SCHEDULE_DELAY; the SDK's default
 # is 5 s) so that the bench can wait for a run's spans to leave before it reads the CPU time.
 TRACE_FLUSH_S = 0.5
@@ -133,6 +154,14 @@ def scenarios(quick: bool) -> list[Scenario]:
             rounds=n(2, 1),
         ),
         Scenario(
+            "spend",
+            "the zero-delay streams with spend ([spend] prices) and named clients (client keys) off "
+            "(the default) and on",
+            (DIRECT, PROXY, SPEND_ON),
+            (zero_delay,),
+            rounds=n(4, 1),
+        ),
+        Scenario(
             "workers",
             "the zero-delay streams with --workers 2",
             (DIRECT, PROXY, WORKERS),
@@ -202,6 +231,8 @@ class Bench:
                     nofile=self.nofile,
                     extra_env={"INFERTAP_LOOPS__ENABLED": "true"},
                 )
+            elif name == SPEND_ON:
+                proxy = Infertap(name, url, self.proxy_cpu, nofile=self.nofile, extra_env=SPEND_ENV)
             elif name == WORKERS:
                 proxy = Infertap(name, url, None, workers=2, nofile=self.nofile)
             else:
@@ -232,13 +263,17 @@ class Bench:
     # --- measuring ---
 
     def _job(self, phase: Phase, target: str, count: int, warmup: bool = False) -> Job:
+        key = BENCH_KEY if target == SPEND_ON else ""
         if warmup:  # zero delays, short: opens connections and warms caches without taking long
             c = min(phase.concurrency, 16 if self.quick else 64)
-            return Job("127.0.0.1", self._port(target), phase.stream, c, 2 * c, tokens=10, timeout_s=30)
+            return Job(
+                "127.0.0.1", self._port(target), phase.stream, c, 2 * c, tokens=10, timeout_s=30,
+                authorization=key,
+            )  # fmt: skip
         budget = (phase.ttft_ms + phase.itl_ms * phase.tokens) / 1000
         return Job(
             "127.0.0.1", self._port(target), phase.stream, phase.concurrency, count,
-            phase.ttft_ms, phase.itl_ms, phase.tokens, timeout_s=budget + 60,
+            phase.ttft_ms, phase.itl_ms, phase.tokens, timeout_s=budget + 60, authorization=key,
         )  # fmt: skip
 
     def _run(self, job: Job, phase: Phase, target: str, acc: Acc | None) -> None:

@@ -43,6 +43,7 @@ class Job:
     itl_ms: float = 0.0
     tokens: int = 100
     timeout_s: float = 60.0
+    authorization: str = ""  # a client key, for an infertap that requires one
 
 
 @dataclass(slots=True)
@@ -75,8 +76,11 @@ def request_bytes(job: Job) -> bytes:
         f"POST /v1/chat/completions HTTP/1.1\r\nhost: {job.host}:{job.port}\r\n"
         f"content-type: application/json\r\naccept: text/event-stream\r\n"
         f"content-length: {len(payload)}\r\nx-bench-ttft-ms: {job.ttft_ms:g}\r\n"
-        f"x-bench-itl-ms: {job.itl_ms:g}\r\nx-bench-tokens: {job.tokens}\r\n\r\n"
+        f"x-bench-itl-ms: {job.itl_ms:g}\r\nx-bench-tokens: {job.tokens}\r\n"
     )
+    if job.authorization:
+        head += f"authorization: Bearer {job.authorization}\r\n"
+    head += "\r\n"
     return head.encode() + payload
 
 

@@ -17,6 +17,11 @@ upstream behaviour while the same server instance records what it received and s
   x-fake-event-bytes: B     each content event carries B bytes of text
   x-fake-reject-stream-options: 1   answer 400 naming stream_options to a request that has it
   x-fake-delay-ms: D        wait D ms before answering at all
+  x-fake-prompt-tokens: P   usage's prompt tokens (default 7)
+  x-fake-cached: C          usage reports C prompt tokens served from the prefix cache
+  x-fake-reasoning: R       R `reasoning_content` events before the content (a reasoning model);
+                            usage counts them in completion tokens and in reasoning_tokens
+  x-fake-answer-ms: A       delay between the last reasoning event and the first content event
 """
 
 from __future__ import annotations
@@ -41,6 +46,21 @@ class Received:
 
     def json(self) -> Any:
         return json.loads(self.body)
+
+
+def _usage(h: dict[str, str], n: int) -> dict[str, Any]:
+    prompt = int(h.get("x-fake-prompt-tokens", "7"))
+    reasoning = int(h.get("x-fake-reasoning", "0"))
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": n + reasoning,
+        "total_tokens": prompt + n + reasoning,
+    }
+    if "x-fake-cached" in h:
+        usage["prompt_tokens_details"] = {"cached_tokens": int(h["x-fake-cached"])}
+    if reasoning:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return usage
 
 
 def _chunk(
@@ -174,7 +194,7 @@ class FakeUpstream:
                         "finish_reason": "stop",
                     }
                 ],
-                "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n},
+                "usage": _usage(h, n),
             }
             if h.get("x-fake-hang") == "mid-body":
                 data = json.dumps(answer).encode()
@@ -227,6 +247,13 @@ class FakeUpstream:
             await asyncio.Event().wait()
         if ttft:
             await asyncio.sleep(ttft)
+        reasoning = int(h.get("x-fake-reasoning", "0"))
+        for i in range(reasoning):
+            if i and gap:
+                await asyncio.sleep(gap)
+            await emit(_chunk("chatcmpl-fake", model, {"content": None, "reasoning_content": f"hm{i} "}))
+        if reasoning and "x-fake-answer-ms" in h:
+            await asyncio.sleep(float(h["x-fake-answer-ms"]) / 1000)
         for i in range(n):
             if i and gap:
                 await asyncio.sleep(gap)
@@ -246,7 +273,7 @@ class FakeUpstream:
                 "created": 1700000000,
                 "model": model,
                 "choices": [],
-                "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n},
+                "usage": _usage(h, n),
             }
             await emit(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
         if h.get("x-fake-no-done") != "1":
