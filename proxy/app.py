@@ -1,102 +1,137 @@
-"""create_app(): the ASGI application, its routes and the resources its lifespan owns.
+"""create_app(): the FastAPI application, with the proxied OpenAI routes dispatched raw in front of it.
 
-A plain ASGI dispatcher rather than a framework router: the proxied routes are the hot path,
-and two dict lookups are all the routing they need. No BaseHTTPMiddleware anywhere (it hides
-client disconnects).
+FastAPI owns the application: its lifespan (the upstream client, the observers, SIGHUP), the ops
+routes (proxy/ops.py), the operator API (proxy/admin.py) and the OpenAPI document (/docs,
+/openapi.json). The proxied routes are the hot path: `__call__` hands them to the forwarder
+before FastAPI's router, middleware or request parsing run (a raw dispatch costs ~2 µs, a
+FastAPI endpoint ~54 µs). No BaseHTTPMiddleware anywhere (it hides client disconnects).
 """
 
 from __future__ import annotations
 
-import asyncio
-import hmac
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
+from fastapi import FastAPI
 
-from proxy import __version__
+from proxy import __version__, admin, ops
 from proxy.accesslog import AccessLog
-from proxy.asgi import Message, Receive, Scope, Send, error_body, header, send_error, send_json
-from proxy.auth import ANONYMOUS, ClientKeys, bearer_token, header_names
-from proxy.errors import UpstreamError, describe
+from proxy.asgi import Message, Receive, Scope, Send, header, send_error
+from proxy.auth import ANONYMOUS
 from proxy.forward import Forwarder
 from proxy.loops import LoopDetector
 from proxy.metrics import CollectorRegistry, Metrics
 from proxy.observer import Observer, ObserverSet
+from proxy.openapi import DESCRIPTION, build_openapi
+from proxy.reload import Access, Reloader
 from proxy.request import RequestIds
 from proxy.routes import OTHER, PROXIED
 from proxy.settings import Settings
 from proxy.spend import SpendObserver
 from proxy.tracing import build_tracing
 from proxy.ui import UIObserver, UIRoutes
-from proxy.upstream import Router, Upstream
+from proxy.upstream import Router
 from proxy.upstream_client import AiohttpClient, UpstreamClient
+from proxy.upstream_stats import UpstreamStats
 
 log = logging.getLogger("infertap.app")
-
-_PROBE_TIMEOUT = 3.0
-
-
-@dataclass(slots=True)
-class _Probe:
-    status: int
-    body: bytes
 
 
 @dataclass(slots=True)
 class _Runtime:
     client: UpstreamClient
-    router: Router
     forwarder: Forwarder
 
 
-Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
+@asynccontextmanager
+async def _lifespan(api: FastAPI) -> AsyncIterator[None]:
+    app = api if isinstance(api, InfertapApp) else None
+    assert app is not None
+    try:
+        await app.startup()
+    except Exception:
+        log.exception("startup failed")
+        raise
+    try:
+        yield
+    finally:
+        await app.shutdown()
 
 
-class InfertapApp:
+class InfertapApp(FastAPI):
     def __init__(
         self,
         settings: Settings,
         observers: Sequence[Observer],
         metrics: Metrics | None,
         client: Callable[[], UpstreamClient] = AiohttpClient,
+        reload: Callable[[], Settings] | None = None,
     ) -> None:
+        super().__init__(
+            title="infertap",
+            version=__version__,
+            description=DESCRIPTION,
+            lifespan=_lifespan,
+            docs_url="/docs",
+            redoc_url=None,
+            openapi_url="/openapi.json",
+        )
         self.settings = settings
-        self.make_client = client
         self.metrics = metrics
+        self.make_client = client
         # Read at construction, so that a bad key setting stops start-up with a clear message.
-        self.client_keys = ClientKeys.from_settings(settings.auth)
-        self.client_header = header_names(settings.clients, self.client_keys)
-        self.metrics_token = bearer_token(settings.auth.metrics_token_env)
+        self.access = Access.from_settings(settings)
         self.observers = ObserverSet(observers)
+        stats = next((o for o in observers if isinstance(o, UpstreamStats)), None)
+        self.stats = stats if stats is not None else UpstreamStats()
         self.request_ids = RequestIds()
+        self.reloader = Reloader(self, reload) if reload is not None else None
+        self.reloaded_at: float | None = None
+        self._routing: Router | None = None
         self._runtime: _Runtime | None = None
-        self._plain: dict[tuple[str, str], Handler] = {
-            ("GET", "/healthz"): self._healthz,
-            ("GET", "/readyz"): self._readyz,
-            ("GET", "/v1/models"): self._models,
-        }
-        if metrics is not None:
-            self._plain[("GET", "/metrics")] = self._metrics
+        self.include_router(ops.router)
+        self.include_router(admin.router)
         ui = next((o for o in observers if isinstance(o, UIObserver)), None)
         if settings.ui.enabled and ui is not None:
-            self._plain.update(UIRoutes(ui, self.metrics_token).routes())
+            self.router.routes.extend(ops.raw_routes(UIRoutes(ui, self.access.metrics_token).routes()))
+        ops.install_error_handlers(self)
+
+    def openapi(self) -> dict[str, Any]:
+        return build_openapi(self)
 
     # -- lifespan ---------------------------------------------------------------------------
     async def startup(self) -> None:
         router = Router.from_settings(self.settings)
         client = self.make_client()
+        s = self.settings.server
         forwarder = Forwarder(
             router,
             client,
             self.observers,
-            self.settings.server.max_body_bytes,
+            s.max_body_bytes,
             tuple(self.settings.metrics.prompt_class_bounds),
-            self.settings.server.max_concurrency,
+            s.max_concurrency,
         )
-        self._runtime = _Runtime(client, router, forwarder)
+        self._routing = router
+        self._runtime = _Runtime(client, forwarder)
+        if self.reloader is not None:
+            self.reloader.install()
+        self._log_upstreams(router)
+
+    async def shutdown(self) -> None:
+        if self._runtime is not None:
+            if self.reloader is not None:
+                self.reloader.uninstall()
+            await self._runtime.client.close()
+            self._runtime = None
+        self.observers.close()
+
+    @staticmethod
+    def _log_upstreams(router: Router) -> None:
         for up in router.upstreams:
             key = (
                 "no key"
@@ -109,25 +144,84 @@ class InfertapApp:
             for warning in up.config_warnings:
                 log.warning("%s", warning)
 
-    async def shutdown(self) -> None:
-        if self._runtime is not None:
-            await self._runtime.client.close()
-            self._runtime = None
-        self.observers.close()
-
     @property
     def runtime(self) -> _Runtime:
         if self._runtime is None:
             raise RuntimeError("the app has not started: run it under an ASGI server with lifespan on")
         return self._runtime
 
+    # -- reload (proxy.reload.Target) -------------------------------------------------------
+    @property
+    def routing(self) -> Router:
+        """The upstreams and routing that new requests follow (FastAPI's own `router` is its routes)."""
+        if self._routing is None:
+            raise RuntimeError("the app has not started: run it under an ASGI server with lifespan on")
+        return self._routing
+
+    def swap(self, settings: Settings, access: Access, router: Router) -> None:
+        self.settings, self.access, self._routing = settings, access, router
+        self.runtime.forwarder.router = router
+        self.reloaded_at = time.time()
+        self._log_upstreams(router)
+
+    def stream_options_memory(self) -> set[str]:
+        return self.runtime.forwarder.attempter.no_stream_options
+
     # -- dispatch ---------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = scope["type"]
-        if kind == "http":
-            await self._http(scope, receive, send)
-        elif kind == "lifespan":
-            await self._lifespan(receive, send)
+        if scope["type"] == "http":
+            path: str = scope["path"]
+            if path.startswith("/v1/") and await self._proxied(scope, receive, send, path):
+                return
+            send = self._stamped(scope, send)
+            admin_port = self.settings.server.admin_port
+            if (
+                admin_port
+                and path.startswith("/admin/")
+                and (scope.get("server") or ("", 0))[1] != admin_port
+            ):
+                msg = f"no route {path} on this port: the operator API is on port {admin_port}"
+                await send_error(send, 404, msg, "invalid_request_error", "not_found")
+                return
+        await super().__call__(scope, receive, send)
+
+    async def _proxied(self, scope: Scope, receive: Receive, send: Send, path: str) -> bool:
+        """The OpenAI API, raw: True when answered here (everything but GET /v1/models)."""
+        method: str = scope["method"]
+        access = self.access
+        client: str | None = ANONYMOUS
+        if access.client_keys is not None:
+            client = access.client_keys.identify(header(scope, b"authorization"))
+        elif access.client_header is not None:
+            client = access.client_header(header(scope, access.client_header.header))
+        if client is None:
+            await send_error(
+                self._stamped(scope, send),
+                401,
+                "a valid infertap key is required: send 'Authorization: Bearer "
+                "<key>' with a key configured in [auth]",
+                "invalid_request_error",
+                "invalid_api_key",
+                [(b"www-authenticate", b"Bearer")],
+            )
+            return True
+        route = PROXIED.get(path)
+        if route is not None and method != route.method:
+            await send_error(
+                self._stamped(scope, send),
+                405,
+                f"{path} accepts {route.method} only, not {method}",
+                "invalid_request_error",
+                "method_not_allowed",
+            )
+            return True
+        if route is None:
+            if path == "/v1/models" and method == "GET":
+                return False  # FastAPI's (ops.models)
+            route = OTHER
+        scope["infertap.client"] = client  # the bounded name, read by the forwarder into the Exchange
+        await self.runtime.forwarder.handle(scope, receive, send, route)
+        return True
 
     def _stamped(self, scope: Scope, send: Send) -> Send:
         """`send` with X-Request-Id added to the response: for every answer that the forwarder
@@ -141,149 +235,6 @@ class InfertapApp:
 
         return stamped
 
-    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path: str = scope["path"]
-        method: str = scope["method"]
-        client: str | None = ANONYMOUS
-        if self.client_keys is not None and path.startswith("/v1/"):
-            client = self.client_keys.identify(header(scope, b"authorization"))
-        elif self.client_header is not None:
-            client = self.client_header(header(scope, self.client_header.header))
-        if client is None:
-            await send_error(
-                self._stamped(scope, send),
-                401,
-                "a valid infertap key is required: send 'Authorization: Bearer "
-                "<key>' with a key configured in [auth]",
-                "invalid_request_error",
-                "invalid_api_key",
-                [(b"www-authenticate", b"Bearer")],
-            )
-            return
-        route = PROXIED.get(path)
-        if route is not None:
-            if method != route.method:
-                await send_error(
-                    self._stamped(scope, send),
-                    405,
-                    f"{path} accepts {route.method} only, not {method}",
-                    "invalid_request_error",
-                    "method_not_allowed",
-                )
-                return
-            scope["infertap.client"] = client  # the bounded name, read by the forwarder into the Exchange
-            await self.runtime.forwarder.handle(scope, receive, send, route)
-            return
-        handler = self._plain.get((method, path))
-        if handler is not None:
-            await handler(scope, receive, self._stamped(scope, send))
-            return
-        if path.startswith("/v1/"):
-            scope["infertap.client"] = client
-            await self.runtime.forwarder.handle(scope, receive, send, OTHER)
-            return
-        await send_error(
-            self._stamped(scope, send),
-            404,
-            f"no route {method} {path}: infertap serves /v1/* (the OpenAI API), /healthz, /readyz, "
-            "/metrics and /ui",
-            "invalid_request_error",
-            "not_found",
-        )
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                try:
-                    await self.startup()
-                except Exception as e:
-                    log.exception("startup failed")
-                    await send({"type": "lifespan.startup.failed", "message": describe(e)})
-                    return
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.shutdown()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
-
-    # -- plain endpoints --------------------------------------------------------------------
-    async def _healthz(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send_json(send, 200, orjson.dumps({"status": "ok", "version": __version__}))
-
-    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
-        assert self.metrics is not None
-        if self.metrics_token is not None and not hmac.compare_digest(
-            (header(scope, b"authorization") or "").encode(), f"Bearer {self.metrics_token}".encode()
-        ):
-            await send_error(
-                send,
-                401,
-                "/metrics needs 'Authorization: Bearer <token>' (auth.metrics_token_env)",
-                "invalid_request_error",
-                "invalid_api_key",
-                [(b"www-authenticate", b"Bearer")],
-            )
-            return
-        body, content_type = self.metrics.render(header(scope, b"accept"))
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", content_type.encode()),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body, "more_body": False})
-
-    async def _probe(self, up: Upstream) -> tuple[Upstream, _Probe | UpstreamError]:
-        """GET the upstream's model list: (status, body), or why it could not be had."""
-        headers = dict(up.headers)
-        if up.api_key:
-            headers["authorization"] = f"Bearer {up.api_key}"
-        try:
-            return up, _Probe(*await self.runtime.client.fetch(up.url("/models"), headers, _PROBE_TIMEOUT))
-        except UpstreamError as e:
-            return up, e
-
-    async def _readyz(self, scope: Scope, receive: Receive, send: Send) -> None:
-        results = await asyncio.gather(*(self._probe(u) for u in self.runtime.router.upstreams))
-        report: dict[str, str] = {}
-        for up, res in results:
-            report[up.name] = (
-                f"unreachable: {res}" if isinstance(res, Exception) else (f"reachable (HTTP {res.status})")
-            )
-        ready = any(not isinstance(res, Exception) for _, res in results)
-        body = {"status": "ready" if ready else "not ready", "upstreams": report}
-        await send_json(send, 200 if ready else 503, orjson.dumps(body))
-
-    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
-        results = await asyncio.gather(*(self._probe(u) for u in self.runtime.router.upstreams))
-        data: list[dict[str, Any]] = []
-        failures: list[str] = []
-        for up, res in results:
-            if isinstance(res, Exception) or res.status != 200:
-                why = str(res) if isinstance(res, Exception) else f"HTTP {res.status}"
-                failures.append(f"{up.name}: {why}")
-                continue
-            try:
-                listed = orjson.loads(res.body).get("data", [])
-            except (orjson.JSONDecodeError, AttributeError):
-                failures.append(f"{up.name}: not an OpenAI model list")
-                continue
-            for model in listed:
-                if isinstance(model, dict):
-                    data.append({**model, "upstream": up.name})
-        if failures:
-            log.warning("model list incomplete: %s", "; ".join(failures))
-        if not data and failures:
-            msg = "no upstream answered the model list: " + "; ".join(failures)
-            await send_json(send, 502, error_body(msg, "upstream_error", "upstream_unreachable"))
-            return
-        await send_json(send, 200, orjson.dumps({"object": "list", "data": data}))
-
 
 def create_app(
     settings: Settings,
@@ -292,11 +243,13 @@ def create_app(
     registry: CollectorRegistry | None = None,
     metrics: bool = True,
     client: Callable[[], UpstreamClient] = AiohttpClient,
+    reload: Callable[[], Settings] | None = None,
 ) -> InfertapApp:
-    """The proxy app. No observer depends on another's place in the chain: the spend observer
+    """The proxy app. `reload` gives the settings that POST /admin/reload and SIGHUP apply (none:
+    nothing to reload). No observer depends on another's place in the chain: the spend observer
     prices a request in `finished`, which runs for all before the readers' `ended`; tracing sets
     the trace id (metrics' exemplar) in `request_received`, before anyone reads it."""
-    chain: list[Observer] = []
+    chain: list[Observer] = [UpstreamStats()]
     if settings.spend.prices:
         chain.append(SpendObserver(settings.spend))
     tracer = build_tracing(settings)
@@ -312,4 +265,4 @@ def create_app(
     if settings.ui.enabled:
         chain.append(UIObserver(settings, collector.model_label if collector is not None else None))
     chain.extend(observers)
-    return InfertapApp(settings, chain, collector, client)
+    return InfertapApp(settings, chain, collector, client, reload)

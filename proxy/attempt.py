@@ -38,6 +38,8 @@ class Call:
     rid: RawHeaders
     committed: bool = False
     committed_sse: bool = False  # what was committed can carry an in-band error event
+    # The routed upstream and its fallbacks, fixed at intake: a reload changes new requests only.
+    plan: list[Upstream] = field(default_factory=list)
 
 
 @dataclass(slots=True)

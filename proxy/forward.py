@@ -130,7 +130,8 @@ class Forwarder:
                 for k in ("max_tokens", "max_completion_tokens", "max_output_tokens", "temperature", "top_p")
                 if k in obj
             }
-        upstream = self.router.route(ex.model)
+        router = self.router  # this request's: a reload swaps self.router for new requests only
+        upstream = router.route(ex.model)
         ex.upstream = upstream.name
         ex.upstream_url = upstream.display_url
         if obj is not None and ex.stream and route.stream_options:
@@ -138,6 +139,7 @@ class Forwarder:
         if scope.get("query_string"):
             suffix += "?" + scope["query_string"].decode("latin-1")
         call = Call(ex, route, upstream, suffix, forwarded_headers(scope), body, original, rid)
+        call.plan = router.plan(upstream)
         self.observers.request_received(ex)
         await self._guarded(receive, send, call)
 
@@ -252,7 +254,7 @@ class Forwarder:
     async def _exchange(self, send: Send, call: Call, watcher: asyncio.Task[None]) -> None:
         ex = call.ex
         now = time.monotonic()
-        plan = [up for up in self.router.plan(call.upstream) if up.breaker.allow(now)]
+        plan = [up for up in call.plan if up.breaker.allow(now)]
         if not plan:
             msg = (
                 f"upstream '{call.upstream.name}' is failing and its circuit is open; "

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("infertap")
 
 _SETTINGS_ENV = "INFERTAP_SETTINGS_JSON"  # hands resolved settings to worker processes
+_ARGV_ENV = "INFERTAP_SERVE_ARGV"  # and the command line, so that a worker can reload the file
 _SIM_READY = "infertap-sim listening on "
 
 EPILOG = """\
@@ -149,12 +152,44 @@ def embedded_engine(settings: Settings) -> Iterator[str]:
             child.kill()
 
 
+def reloader(argv: list[str]) -> Callable[[], Settings]:
+    """What POST /admin/reload and SIGHUP apply: the command line resolved again (the file, the
+    environment, the flags)."""
+
+    def load() -> Settings:
+        return resolve_settings(build_parser().parse_args(argv))
+
+    return load
+
+
 def app_from_env() -> InfertapApp:
-    """uvicorn factory for worker processes: settings come resolved from the parent."""
+    """uvicorn factory for worker processes: settings come resolved from the parent. A worker that
+    uvicorn restarts (on SIGHUP to the supervisor) reads the file again."""
     from proxy.app import create_app
 
     settings = Settings.model_validate_json(os.environ[_SETTINGS_ENV])
-    return create_app(settings)
+    reload = reloader(json.loads(os.environ[_ARGV_ENV])) if _ARGV_ENV in os.environ else None
+    app = create_app(settings, reload=reload)
+    if app.reloader is not None:
+        try:
+            app.reloader.reload()
+        except ConfigError as e:
+            log.error("the configuration file was NOT reloaded (the one at start stays): %s", e)
+    return app
+
+
+def _admin_socket(host: str, port: int) -> socket.socket:
+    """The operator API's own listener ([server] admin_port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"server.admin_port {port} on {host}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 @contextmanager
@@ -177,7 +212,7 @@ def multiprocess_metrics() -> Iterator[str]:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def run(settings: Settings) -> None:
+def run(settings: Settings, argv: list[str] | None = None) -> None:
     s = settings.server
     common = dict(
         host=s.host,
@@ -196,12 +231,28 @@ def run(settings: Settings) -> None:
     if s.workers == 1:
         from proxy.app import create_app
 
-        uvicorn.Server(uvicorn.Config(create_app(settings), **common)).run()  # type: ignore[arg-type]
+        app = create_app(settings, reload=reloader(argv) if argv is not None else None)
+        config = uvicorn.Config(app, **common)  # type: ignore[arg-type]
+        server = uvicorn.Server(config)
+        if s.admin_port:
+            sockets = [config.bind_socket(), _admin_socket(s.admin_host, s.admin_port)]
+            server.run(sockets=sockets)
+        else:
+            server.run()
         return
     os.environ[_SETTINGS_ENV] = settings.model_dump_json()
+    if argv is not None:
+        os.environ[_ARGV_ENV] = json.dumps(argv)
     with multiprocess_metrics() as path:
         log.info("%d workers; metrics aggregated through %s", s.workers, path)
-        uvicorn.run("proxy.serve:app_from_env", factory=True, workers=s.workers, **common)  # type: ignore[arg-type]
+        if not s.admin_port:
+            uvicorn.run("proxy.serve:app_from_env", factory=True, workers=s.workers, **common)  # type: ignore[arg-type]
+            return
+        from uvicorn.supervisors import Multiprocess
+
+        config = uvicorn.Config("proxy.serve:app_from_env", factory=True, workers=s.workers, **common)  # type: ignore[arg-type]
+        sockets = [config.bind_socket(), _admin_socket(s.admin_host, s.admin_port)]
+        Multiprocess(config, sockets=sockets).run()
 
 
 def _raise_fd_limit() -> None:
@@ -236,7 +287,7 @@ def main(argv: list[str]) -> int:
     try:
         settings = resolve_settings(args)
         if settings.upstreams:
-            run(settings)
+            run(settings, argv)
             return 0
         with embedded_engine(settings) as url:
             log.info(
@@ -245,7 +296,7 @@ def main(argv: list[str]) -> int:
                 url,
             )
             settings = with_upstreams(settings, [UpstreamSettings(name="sim", base_url=url)])
-            run(settings)
+            run(settings, argv)
         return 0
     except ConfigError as e:
         print(f"infertap: {e}", file=sys.stderr)

@@ -42,6 +42,13 @@ class _Section(BaseModel):
 class ServerSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
+    admin_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="serve the operator API (/admin/*) only on this port, at admin_host; none: on port",
+    )
+    admin_host: str = Field(default="127.0.0.1", description="the address of admin_port")
     workers: int = Field(default=1, ge=1, le=256)
     max_body_bytes: int = Field(default=10 * 1024 * 1024, gt=0, description="larger bodies get 413")
     max_concurrency: int = Field(default=0, ge=0, description="requests at once per worker; 0 = no cap")
@@ -86,6 +93,11 @@ class AuthSettings(_Section):
     keys_file: str | None = Field(default=None, description="file of hex SHA-256 hashes, one a line")
     metrics_token_env: str | None = Field(
         default=None, description="env variable with a bearer token that /metrics and /ui require"
+    )
+    admin_token_env: str | None = Field(
+        default=None,
+        description="env variable with the bearer token that the operator API (/admin/*) requires; "
+        "unset: the operator API is off",
     )
 
 
