@@ -14,7 +14,7 @@ from prometheus_client.exposition import choose_encoder
 
 from proxy import __version__
 from proxy.exchange import Exchange, Outcome
-from proxy.model_labels import NONE, OTHER, ModelLabels
+from proxy.model_labels import NONE, OTHER, ModelLabels, multiprocess_dir
 from proxy.observer import Observer
 from proxy.settings import MetricsSettings, Settings
 from proxy.spend import billed_tokens
@@ -114,10 +114,6 @@ TIMEOUT_PHASES: dict[str, str] = {
     Outcome.TOTAL_TIMEOUT.value: "total",
 }
 __all__ = ["NONE", "OTHER", "CollectorRegistry", "Metrics", "ModelLabels", "multiprocess_dir"]
-
-
-def multiprocess_dir() -> str | None:
-    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
 def _default_model_patterns(settings: Settings) -> list[str] | None:
