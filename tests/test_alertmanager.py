@@ -3,7 +3,6 @@ alert mutes which (inhibitions need `equal`, or one dead instance mutes every al
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -14,14 +13,10 @@ import httpx
 import pytest
 
 from tests.conftest import free_port, tool, wait_until
+from tests.live_stack import alertmanager_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
-
-
-def alertmanager_binary() -> str:
-    """Debian's package installs it as prometheus-alertmanager, the upstream tarball as alertmanager."""
-    return shutil.which("prometheus-alertmanager") or tool("alertmanager")
 
 
 @pytest.mark.parametrize(

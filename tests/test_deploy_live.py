@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from tests.conftest import tool
+from tests.live_stack import stop, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "rules"
@@ -59,32 +60,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
-
-
-def wait_for(what: str, check: Any, deadline_s: float = 60.0, every: float = 0.2) -> Any:
-    deadline = time.monotonic() + deadline_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-            if last:
-                return last
-        except (httpx.HTTPError, OSError) as e:
-            last = e
-        time.sleep(every)  # polling interval, bounded by the deadline
-    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
-
-
-def stop(proc: subprocess.Popen[Any]) -> None:
-    if proc.stdout is not None:
-        proc.stdout.close()
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,13 @@
-"""The pieces of the alert drill (tests/test_alert_drill.py): real processes on 127.0.0.1, a webhook
-receiver, a steady load, and the backfill of baseline history from a measured rate."""
+"""Live stacks in tests (test_deploy_live.py, test_alert_drill.py, test_alertmanager.py): real processes on
+127.0.0.1, waiting on conditions, a webhook receiver, a steady load, and the backfill of baseline
+history from a measured rate."""
 
 from __future__ import annotations
 
 import json
 import re
 import select
+import shutil
 import subprocess
 import sys
 import threading
@@ -18,9 +20,30 @@ from typing import Any
 
 import httpx
 
+from tests.conftest import tool
 from tests.promtext import samples
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(what: str, check: Callable[[], Any], deadline_s: float = 60.0, every: float = 0.2) -> Any:
+    """Poll `check` until it returns something true (and return that); fail after the deadline."""
+    deadline = time.monotonic() + deadline_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+            if last:
+                return last
+        except (httpx.HTTPError, OSError, KeyError, IndexError) as e:
+            last = e
+        time.sleep(every)  # polling interval, bounded by the deadline
+    raise AssertionError(f"timed out after {deadline_s:.0f} s waiting for {what} (last: {last!r})")
+
+
+def alertmanager_binary() -> str:
+    """Debian's package installs it as prometheus-alertmanager, the upstream tarball as alertmanager."""
+    return shutil.which("prometheus-alertmanager") or tool("alertmanager")
 
 
 def start_sim(log: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
