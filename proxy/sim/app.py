@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from proxy.sim.admin import admin_routes
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Engine
 from proxy.sim.metrics import SimMetrics
@@ -293,6 +294,7 @@ def create_sim_app(config: SimConfig) -> Starlette:
         Route("/v1/embeddings", api.embeddings, methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_endpoint, methods=["GET"]),
+        *admin_routes(config),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _not_found, 405: _not_found})
     app.state.engine = engine  # for tests and `doctor`-style introspection in-process

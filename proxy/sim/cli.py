@@ -12,6 +12,7 @@ from typing import Any
 
 import uvicorn
 
+from proxy.sim.admin import install_sighup
 from proxy.sim.app import create_sim_app
 from proxy.sim.config import SimConfig, SimConfigError, load_sim_config, with_overrides
 
@@ -29,7 +30,13 @@ examples:
     -d '{"model":"sim-model","stream":true,"messages":[{"role":"user","content":"hi"}]}'
 
 Per-request test hooks (headers): x-sim-output-tokens, x-sim-ttft-ms, x-sim-tpot-ms.
-Endpoints: /v1/models, /v1/chat/completions, /v1/completions, /v1/embeddings, /health,
+
+Change the timing while it runs (rehearse an alert under live traffic; no restart):
+  curl http://127.0.0.1:8000/admin/timing                    # what is in effect
+  curl -X POST http://127.0.0.1:8000/admin/timing -H 'content-type: application/json' \
+    -d '{"sim": {"prefill_ms_per_token": 0.075}, "batching": {"max_num_seqs": 4}}'
+  kill -HUP PID        # re-read the timing keys of --config ([sim] step costs, batch limits)
+Endpoints: /v1/models, /v1/chat/completions, /v1/completions, /v1/embeddings, /health, /admin/timing,
 /metrics (vLLM names: vllm:time_to_first_token_seconds, vllm:num_preemptions_total, ...).
 """
 
@@ -104,7 +111,8 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
+async def _serve(server: uvicorn.Server, sock: socket.socket, config: SimConfig, path: str | None) -> None:
+    install_sighup(config, path)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():  # failed to bind: uvicorn has logged why
@@ -151,7 +159,7 @@ def main(argv: list[str]) -> int:
     if args.exit_with_stdin:
         _exit_on_stdin_eof(server)
     try:
-        asyncio.run(_serve(server, sock))
+        asyncio.run(_serve(server, sock, config, args.config))
     except SystemExit as e:  # uvicorn exits this way when it cannot bind
         return e.code if isinstance(e.code, int) else 1
     except KeyboardInterrupt:
