@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Engine
-from proxy.sim.metrics import SimMetrics
+from proxy.sim.metrics import SimMetrics, cache_info
 from proxy.sim.protocol import (
     ApiError,
     ChatRequest,
@@ -268,7 +268,7 @@ async def _not_found(request: Request, exc: Exception) -> Response:
 
 
 def create_sim_app(config: SimConfig) -> Starlette:
-    metrics = SimMetrics(config.model.name)
+    metrics = SimMetrics(config.model.name, cache_info(config))
     engine = Engine(config, metrics)
     metrics.bind(engine)
     api = _Api(config, engine, metrics)

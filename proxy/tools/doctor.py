@@ -3,7 +3,8 @@
 Reads infertap's /metrics (one scrape: totals since infertap started; with --interval, two
 scrapes and the difference) or a Prometheus server (PromQL over --window), and the engine's
 /metrics when given (vLLM names). Prints each finding with its evidence and the knob to change.
-Exit status: 0 nothing found, 1 findings, 2 a source could not be read or bad usage.
+Exit status: 0 nothing found, 1 findings, 2 a source could not be read or bad usage, 3 the
+evidence is too thin to judge (the report says what would settle it).
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import os
 import re
 import sys
 import time
+import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
 import httpx
 
-from proxy.tools.diagnose import ENGINE_GAUGES, Inputs, Thresholds, diagnose, fmt_s, summary
+from proxy.tools.diagnose import ENGINE_GAUGES, Inputs, Thresholds, diagnose, fmt_s, needs, summary
 from proxy.tools.exposition import ExpositionError, Labels, Samples, delta, from_vector, parse
 
 DEFAULT_METRICS = "http://127.0.0.1:8080/metrics"
@@ -60,7 +62,8 @@ The faults (from the seed article) and what each rule looks at:
   stream_cut        stream_interrupted / idle / total timeouts; chunks arriving bunched (a buffer)
   looping           infertap_degenerate_responses_total > 0 (needs [loops] enabled = true)
 
-Exit status: 0 no problem found, 1 problems found, 2 a source could not be read or bad usage.
+Exit status: 0 no problem found, 1 problems found, 2 a source could not be read (or is not
+infertap's /metrics) or bad usage, 3 not enough evidence to judge (the report says what it needs).
 """
 
 
@@ -92,7 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LABELS",
         help="label matchers for the engine's series with --prometheus",
     )
-    src.add_argument("--engine-metrics", metavar="URL", help="the engine's /metrics (vLLM names)")
+    src.add_argument(
+        "--engine-metrics",
+        metavar="URL",
+        help="the engine's /metrics (vLLM names); by default doctor asks infertap (GET /ui/data) for its "
+        "upstreams and reads the /metrics of the first that serves vLLM-style metrics",
+    )
+    src.add_argument(
+        "--no-discover", action="store_true", help="do not look for the engine's /metrics through infertap"
+    )
     src.add_argument(
         "--interval",
         type=float,
@@ -145,14 +156,55 @@ def scrape(client: httpx.Client, url: str, headers: dict[str, str] | None = None
         raise SourceError(f"{url} is not a Prometheus /metrics endpoint: {e}") from None
 
 
+def check_infertap(samples: Samples, url: str) -> None:
+    """Refuse a /metrics that is not infertap's: judging it would report "no requests" as health."""
+    if any(name.startswith("infertap_") for name, _ in samples.values):
+        return
+    if any(name.startswith("vllm:") for name, _ in samples.values):
+        kind = "an engine's (vLLM names)"
+        hint = f"pass it as --engine-metrics {url} and give --metrics infertap's /metrics"
+    else:
+        kind, hint = "not infertap's", "give --metrics infertap's /metrics (http://HOST:PORT/metrics)"
+    raise SourceError(f"{url} is {kind} /metrics, not infertap's (no infertap_* series): {hint}")
+
+
+def discover_engine(client: httpx.Client, url: str, headers: dict[str, str]) -> tuple[str, str] | None:
+    """(upstream name, its /metrics URL) for the first of infertap's upstreams that serves
+    vLLM-style metrics at its origin (the embedded sim, vLLM, SGLang), from infertap's /ui/data."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        resp = client.get(f"{parts.scheme}://{parts.netloc}/ui/data", headers=headers, timeout=3)
+        upstreams = resp.json()["config"]["upstreams"] if resp.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+    for up in upstreams if isinstance(upstreams, list) else []:
+        base = urllib.parse.urlsplit(str(up.get("base_url", "")))
+        if base.scheme not in ("http", "https"):
+            continue
+        candidate = f"{base.scheme}://{base.netloc}/metrics"
+        try:
+            resp = client.get(candidate, headers={"accept": ACCEPT}, timeout=3)
+            found = parse(resp.text) if resp.status_code == 200 else None
+        except (httpx.HTTPError, ExpositionError):
+            continue
+        if found is not None and any(name.startswith("vllm:") for name, _ in found.values):
+            return str(up.get("name", "?")), candidate
+    return None
+
+
 def engine_gauges(samples: Samples) -> dict[str, float]:
     return {name: v for name in ENGINE_GAUGES if (v := samples.gauge(name)) is not None}
 
 
 def from_scrapes(args: argparse.Namespace, client: httpx.Client, headers: dict[str, str]) -> Inputs:
     url = args.metrics or DEFAULT_METRICS
-    engine_url = args.engine_metrics
     first = scrape(client, url, headers)
+    check_infertap(first, url)
+    if not args.engine_metrics and not args.no_discover:
+        found = discover_engine(client, url, headers)
+        if found is not None:
+            args.engine_upstream, args.engine_metrics = found
+    engine_url = args.engine_metrics
     e_first = scrape(client, engine_url) if engine_url else None
     polls = [engine_gauges(e_first)] if e_first is not None else []
     if args.interval <= 0:
@@ -206,6 +258,11 @@ def from_prometheus(args: argparse.Namespace, client: httpx.Client) -> Inputs:
         return out
 
     proxy = fetch(PROXY_SERIES, args.selector)
+    if not any(proxy.values) and not _query(client, base, f"infertap_build_info{{{args.selector}}}"):
+        raise SourceError(
+            f"{base} holds no infertap_* series{' for ' + args.selector if args.selector else ''}: "
+            "is it the Prometheus that scrapes infertap (check --selector)?"
+        )
     engine: Samples | None = None
     polls: list[dict[str, float]] = []
     if args.engine_metrics:
@@ -246,12 +303,17 @@ def describe_window(args: argparse.Namespace) -> str:
     return "totals since infertap started"
 
 
-def notes(inp: Inputs, report: dict[str, Any]) -> list[str]:
+def notes(inp: Inputs, report: dict[str, Any], args: argparse.Namespace) -> list[str]:
     out: list[str] = []
-    if report["requests"] == 0:
-        out.append("no requests in the window: nothing to judge (send traffic, or widen the window)")
+    if getattr(args, "engine_upstream", None):
+        out.append(
+            f"engine metrics found through infertap: upstream {args.engine_upstream}, {args.engine_metrics}"
+        )
     if inp.engine is None:
-        out.append("no engine metrics (--engine-metrics): queueing and KV-cache use cannot be confirmed")
+        out.append(
+            "no engine metrics: queueing and KV-cache use cannot be confirmed; point me at the engine's "
+            "/metrics (--engine-metrics URL)"
+        )
     if report["degenerate"] is None:
         out.append(
             "no infertap_degenerate_responses_total series: loop detection is off ([loops] enabled = "
@@ -273,7 +335,10 @@ def render_text(result: dict[str, Any]) -> str:
             lines.append(f"{name}: p50 {fmt_s(h['p50'])}, p90 {fmt_s(h['p90'])} ({h['count']} observations)")
     findings = result["findings"]
     lines.append("")
-    if not findings:
+    if not findings and result["needs"]:
+        lines.append("Not enough evidence to judge; what I need:")
+        lines += [f"  - {n}" for n in result["needs"]]
+    elif not findings:
         lines.append("No problem found.")
     else:
         lines.append(f"{len(findings)} problem(s) found:")
@@ -309,7 +374,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json:
             print(json.dumps({"error": str(e)}))
         return 2
-    findings = diagnose(inp, Thresholds(min_requests=max(1, args.min_requests)))
+    thresholds = Thresholds(min_requests=max(1, args.min_requests))
+    findings = diagnose(inp, thresholds)
+    missing = needs(inp, thresholds)
     report = summary(inp)
     result = {
         "source": {
@@ -318,10 +385,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "engine_metrics": args.engine_metrics,
             "window": describe_window(args),
         },
-        "healthy": not findings,
+        "healthy": not findings and not missing,
         "findings": [f.to_json() for f in findings],
+        "needs": missing,
         "summary": report,
-        "notes": notes(inp, report),
+        "notes": notes(inp, report, args),
     }
     print(json.dumps(result, indent=2) if args.json else render_text(result))
-    return 1 if findings else 0
+    return 1 if findings else 3 if missing else 0
