@@ -102,7 +102,8 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
 @contextmanager
 def embedded_engine(settings: Settings) -> Iterator[str]:
     """Start `infertap sim` as a child on a free loopback port; yield its base URL."""
-    cmd = [sys.executable, "-m", "proxy", "sim", "--host", "127.0.0.1", "--port", "0"]
+    # It stands in for whatever model a client names: accept any (a standalone sim does not).
+    cmd = [sys.executable, "-m", "proxy", "sim", "--host", "127.0.0.1", "--port", "0", "--accept-any-model"]
     if settings.sim_config:
         cmd += ["--config", settings.sim_config]
     # --exit-with-stdin: the child stops when this pipe closes, which happens however this process

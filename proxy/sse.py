@@ -15,11 +15,12 @@ from typing import Any
 
 import orjson
 
-# An event carries output when a text field holds a non-empty string, or a tool call starts.
+# An event carries output when a text field holds a non-empty string, or a tool call starts or
+# continues (a `tool_calls` list with an entry: some engines send `"tool_calls": []` with text).
 # A literal `"content"` inside a JSON string is escaped (\"content\"), so it cannot match.
 _OUTPUT = re.compile(
     rb'"(?:content|text|reasoning_content|reasoning|refusal)"\s*:\s*"(?!")'
-    rb'|"(?:tool_calls|function_call)"\s*:\s*[\[{]'
+    rb'|"tool_calls"\s*:\s*\[\s*\{|"function_call"\s*:\s*\{'
 )
 # Anchored at a key found with bytes.find (a C memchr-speed scan): `match` at one position is
 # far cheaper than `search` over every position.
