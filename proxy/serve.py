@@ -174,7 +174,17 @@ def run(settings: Settings) -> None:
     if s.workers == 1:
         from proxy.app import create_app
 
-        uvicorn.Server(uvicorn.Config(create_app(settings), **common)).run()  # type: ignore[arg-type]
+        config = uvicorn.Config(create_app(settings), **common)  # type: ignore[arg-type]
+        # Bind before start-up: uvicorn would run the lifespan (and log "Application startup
+        # complete.") before finding the port taken. Several workers: uvicorn binds first itself.
+        try:
+            sock = config.bind_socket()
+        except SystemExit:  # uvicorn has logged the OS error
+            raise ConfigError(
+                f"cannot listen on {s.host}:{s.port}: another process (another infertap?) has it, or the "
+                "address is not this machine's; choose another with --port or [server] port"
+            ) from None
+        uvicorn.Server(config).run(sockets=[sock])
         return
     os.environ[_SETTINGS_ENV] = settings.model_dump_json()
     with multiprocess_metrics() as path:

@@ -6,6 +6,7 @@ import asyncio
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -150,3 +151,22 @@ def test_help_lists_commands_and_options() -> None:
     assert "serve" in top.stdout and "sim" in top.stdout
     serve = _serve("--help")
     assert serve.returncode == 0 and "--upstream" in serve.stdout and "TAOTOKEN_API_KEY" in serve.stdout
+
+
+def test_a_taken_port_fails_before_start_up_with_a_message(tmp_path: Path) -> None:
+    """Regression (issue 16): "Application startup complete." came before the bind error."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("INFERTAP_", "TAOTOKEN_"))}
+    env["INFERTAP_UPSTREAMS"] = '[{"name": "x", "base_url": "http://127.0.0.1:9/v1"}]'
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = _serve("--host", "127.0.0.1", "--port", str(port), env=env)
+    assert r.returncode == 2, r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "--port" in r.stderr
+    assert "Application startup complete" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_directory_given_as_config_says_so(tmp_path: Path) -> None:
+    r = _serve("--config", str(tmp_path))
+    assert r.returncode == 2 and "is a directory" in r.stderr and "not found" not in r.stderr

@@ -28,12 +28,14 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
+
 def install_hint() -> str:
     """How to install the plot extra: into this checkout's environment when run from one."""
     root = Path(__file__).resolve().parents[2]
     if (root / "pyproject.toml").is_file() and (root / "proxy").is_dir():
         return f"{Path(sys.executable)} -m pip install -e '{root}[plot]'"
     return "pip install 'infertap[plot]'"
+
 
 FIGSIZE = (12.0, 5.0)
 DPI = 100
