@@ -10,6 +10,8 @@ by less than 10%.
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import random
 import subprocess
@@ -36,8 +38,11 @@ from proxy.metrics import (
     VLLM_TTFT_BUCKETS,
     Metrics,
 )
+from proxy.sim import create_sim_app
 from proxy.sim import metrics as sim_metrics
-from tests.conftest import free_port, make_settings, serve_in_thread, tool, wait_until
+from proxy.sim.config import sim_config_from_dict
+from proxy.tools.exposition import parse
+from tests.conftest import free_port, make_settings, run_proxy, serve_in_thread, tool, wait_until
 
 N = 3000  # observations per distribution
 QUANTILES = (0.5, 0.9, 0.99)
@@ -198,3 +203,32 @@ def test_histogram_quantile_is_within_10_percent(prometheus_api: tuple[str, Metr
     print(
         f"worst error of {len(values) * len(QUANTILES)} quantiles {worst:.2%}; p50 {p50:.5f}, mean {mean:.5f}"
     )
+
+
+def test_issue_16_rerun_through_infertap_and_the_sim(caplog: pytest.LogCaptureFixture) -> None:
+    """The issue's run, live: streams whose TPOT is 21-24 ms (the sim's fixed-timing hook), through
+    infertap; the p50 that histogram_quantile's interpolation gives from infertap's own /metrics
+    is within 10% of the mean TPOT the access log says the requests had (the old buckets: 17.5 ms)."""
+    caplog.set_level(logging.INFO, logger="infertap.access")
+    config = sim_config_from_dict({"sim": {"prefill_base_ms": 1.0, "prefill_ms_per_token": 0.01}})
+    with (
+        serve_in_thread(create_sim_app(config)) as engine,
+        run_proxy(make_settings(("sim", engine + "/v1"))) as proxy,
+    ):
+        with httpx.Client(timeout=30) as client:
+            for i in range(16):
+                body = {"model": "sim-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+                hints = {"x-sim-tpot-ms": str(21 + 3 * i / 15), "x-sim-output-tokens": "24"}
+                with client.stream("POST", f"{proxy}/v1/chat/completions", json=body, headers=hints) as r:
+                    assert r.status_code == 200 and b"[DONE]" in r.read()
+        wait_until(
+            lambda: sum(r.name == "infertap.access" for r in caplog.records) == 16, what="16 access log lines"
+        )
+        samples = parse(httpx.get(f"{proxy}/metrics").text)
+    logged = [json.loads(r.getMessage())["tpot_s"] for r in caplog.records if r.name == "infertap.access"]
+    mean = sum(logged) / len(logged)
+    histogram = samples.histogram("infertap_time_per_output_token_seconds")
+    assert histogram is not None and histogram.count == 16
+    p50 = histogram.quantile(0.5)
+    assert p50 is not None and abs(p50 - mean) / mean <= 0.10, (p50, mean, logged)
+    print(f"TPOT p50 from /metrics {p50 * 1000:.2f} ms, logged mean {mean * 1000:.2f} ms")
