@@ -258,3 +258,12 @@ def test_infertap_lists_a_model_once_when_two_upstreams_serve_it() -> None:
     ids = [m["id"] for m in data]
     assert sorted(ids) == ["only-b", "sim-model"], data
     assert {m["id"]: m["upstream"] for m in data} == {"sim-model": "a", "only-b": "b"}
+
+
+def test_an_empty_tool_calls_list_is_not_output() -> None:
+    """Some engines send `"tool_calls": []` beside text deltas: only a call with an entry is output."""
+    role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":"","tool_calls":[]}}]}\n\n'
+    call = b'data: {"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{"}}]}}]}\n\n'
+    legacy = b'data: {"choices":[{"index":0,"delta":{"function_call":{"name":"f"}}}]}\n\n'
+    assert SSEScanner().feed(role)[1] == 0
+    assert SSEScanner().feed(role + call + legacy)[1] == 2
