@@ -266,6 +266,7 @@ class InfertapApp:
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         results = await asyncio.gather(*(self._probe(u) for u in self.runtime.router.upstreams))
         data: list[dict[str, Any]] = []
+        seen: set[Any] = set()
         failures: list[str] = []
         for up, res in results:
             if isinstance(res, Exception) or res.status != 200:
@@ -278,7 +279,9 @@ class InfertapApp:
                 failures.append(f"{up.name}: not an OpenAI model list")
                 continue
             for model in listed:
-                if isinstance(model, dict):
+                # A model two upstreams serve is listed once, under the first (routing order).
+                if isinstance(model, dict) and model.get("id") not in seen:
+                    seen.add(model.get("id"))
                     data.append({**model, "upstream": up.name})
         if failures:
             log.warning("model list incomplete: %s", "; ".join(failures))

@@ -345,3 +345,17 @@ def test_exemplars_carry_the_real_trace_id(fake: tuple[FakeUpstream, str]) -> No
     assert any(f'trace_id="{trace_id}"' in ln for ln in ttft)
     e2e = [ln for ln in om.splitlines() if ln.startswith("infertap_request_duration_seconds_bucket")]
     assert any(f'trace_id="{trace_id}"' in ln for ln in e2e)
+
+
+def test_embeddings_access_log_says_usage_when_the_upstream_sent_it(
+    fake: tuple[FakeUpstream, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression (issue 16): an embeddings line said tokens_source "estimated" despite usage."""
+    _, url = fake
+    caplog.set_level(logging.INFO, logger="infertap.access")
+    with run_proxy(make_settings(("fake", url))) as proxy:
+        r = httpx.post(f"{proxy}/v1/embeddings", json={"model": "fake-model", "input": "hello world"})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 0
+    (line,) = [json.loads(r.getMessage()) for r in caplog.records if r.name == "infertap.access"]
+    assert line["route"] == "embeddings" and line["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
+    assert line["tokens_source"] == "usage"
