@@ -8,9 +8,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY proxy ./proxy
-RUN pip install . && rm -rf /src
+# constraints.txt pins every runtime dependency to the versions CI tested (scripts/pin_constraints.py).
+RUN pip install -c constraints.txt . && rm -rf /src
 
 RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin infertap
 USER 10001

@@ -10,9 +10,9 @@ import hashlib
 import hmac
 import os
 import re
-import threading
 from pathlib import Path
 
+from proxy.model_labels import BoundedLabels, multiprocess_dir
 from proxy.settings import AuthSettings, ClientSettings, ConfigError
 
 ANONYMOUS = "anonymous"  # no client keys configured and no trusted header
@@ -114,35 +114,23 @@ def _read_hashes(path: Path) -> list[tuple[bytes, str]]:
     return out
 
 
-class HeaderNames:
-    """Client names from a trusted header, bounded like the `model` label: the first `cap` valid
-    names are kept, anything later or malformed is OTHER."""
+class HeaderNames(BoundedLabels):
+    """Client names from a trusted header, bounded like the `model` label (across workers too): the
+    first `cap` valid names are kept, anything later or malformed is OTHER."""
 
-    def __init__(self, header: str, cap: int) -> None:
+    def __init__(self, header: str, cap: int, shared_dir: str | None = None) -> None:
+        super().__init__(cap, shared_dir, "infertap_client_labels.txt", missing=ANONYMOUS)
         self.header = header.lower().encode("latin-1")
-        self.cap = cap
-        self.seen: set[str] = set()
-        self._lock = threading.Lock()
 
-    def __call__(self, value: str | None) -> str:
-        if not value:
-            return ANONYMOUS
-        if value in self.seen:
-            return value
-        if not NAME.fullmatch(value) or value in _RESERVED:
-            return OTHER
-        with self._lock:
-            if len(self.seen) >= self.cap:
-                return OTHER
-            self.seen.add(value)
-        return value
+    def accepts(self, name: str) -> bool:
+        return NAME.fullmatch(name) is not None and name not in _RESERVED
 
 
 def header_names(clients: ClientSettings, keys: ClientKeys | None) -> HeaderNames | None:
     """The trusted-header resolver; none when client keys name the clients, or no header is set."""
     if keys is not None or not clients.header:
         return None
-    return HeaderNames(clients.header, clients.max_clients)
+    return HeaderNames(clients.header, clients.max_clients, multiprocess_dir())
 
 
 def bearer_token(env: str | None, setting: str = "auth.metrics_token_env") -> str | None:

@@ -146,7 +146,9 @@ class Exchange:
 
     @property
     def token_source(self) -> TokenSource:
-        return TokenSource.USAGE if self.completion_tokens is not None else TokenSource.ESTIMATED
+        # Embeddings produce no completion: their usage holds the prompt tokens alone.
+        counted = self.prompt_tokens if self.route == "embeddings" else self.completion_tokens
+        return TokenSource.USAGE if counted is not None else TokenSource.ESTIMATED
 
     @property
     def tpot(self) -> float | None:

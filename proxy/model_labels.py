@@ -1,4 +1,5 @@
-"""The `model` label: an allow-list and a cap on distinct values, held across worker processes.
+"""Bounded label values (`model`, and `client` from a trusted header): an acceptance test and a cap
+on distinct values, held across worker processes.
 
 With `--workers N` each worker is a process of its own; a cap kept in each would let N times as
 many values through. The admitted names are kept in a file in the instance's multiprocess
@@ -23,11 +24,16 @@ NONE = "none"
 SHARED_FILE = "infertap_model_labels.txt"  # not *.db: prometheus_client reads those
 
 
+def multiprocess_dir() -> str | None:
+    """The instance's multiprocess directory (set by `serve --workers N`), where workers share state."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
 class SharedNames:
     """Names admitted by any worker of this instance, one a line."""
 
-    def __init__(self, directory: str) -> None:
-        self.path = os.path.join(directory, SHARED_FILE)
+    def __init__(self, directory: str, file_name: str) -> None:
+        self.path = os.path.join(directory, file_name)
 
     def admit(self, name: str, cap: int) -> tuple[bool, set[str]]:
         """(whether `name` is admitted, every name admitted so far)."""
@@ -45,23 +51,33 @@ class SharedNames:
             return True, names
 
 
-class ModelLabels:
-    """Maps a requested model name to a bounded label value."""
+class BoundedLabels:
+    """Maps a name to a bounded label value: the first `cap` names that `accepts` admits keep their
+    own value (across the workers sharing `shared_dir`), the rest are OTHER, a missing one `missing`."""
 
-    def __init__(self, patterns: Iterable[str] | None, cap: int, shared_dir: str | None = None) -> None:
-        self.patterns = None if patterns is None else list(patterns)
+    def __init__(
+        self,
+        cap: int,
+        shared_dir: str | None = None,
+        shared_file: str = SHARED_FILE,
+        missing: str = NONE,
+    ) -> None:
         self.cap = cap
+        self.missing = missing
         self.seen: set[str] = set()
         self.full = False
-        self.shared = SharedNames(shared_dir) if shared_dir else None
+        self.shared = SharedNames(shared_dir, shared_file) if shared_dir else None
         self._lock = threading.Lock()
+
+    def accepts(self, name: str) -> bool:
+        return True
 
     def __call__(self, model: str | None) -> str:
         if not model:
-            return NONE
+            return self.missing
         if model in self.seen:
             return model
-        if self.patterns is not None and not any(fnmatch.fnmatchcase(model, p) for p in self.patterns):
+        if not self.accepts(model):
             return OTHER
         with self._lock:
             if self.full or "\n" in model:
@@ -70,7 +86,7 @@ class ModelLabels:
                 try:
                     admitted, names = self.shared.admit(model, self.cap)
                 except OSError as e:
-                    log.warning("model label cap: %s unusable (%s); counting per worker", self.shared.path, e)
+                    log.warning("label cap: %s unusable (%s); counting per worker", self.shared.path, e)
                     self.shared = None
                 else:
                     self.seen |= names
@@ -81,3 +97,14 @@ class ModelLabels:
                 return OTHER
             self.seen.add(model)
         return model
+
+
+class ModelLabels(BoundedLabels):
+    """The `model` label: names matching the allow-list patterns (all, when there are none)."""
+
+    def __init__(self, patterns: Iterable[str] | None, cap: int, shared_dir: str | None = None) -> None:
+        super().__init__(cap, shared_dir)
+        self.patterns = None if patterns is None else list(patterns)
+
+    def accepts(self, name: str) -> bool:
+        return self.patterns is None or any(fnmatch.fnmatchcase(name, p) for p in self.patterns)

@@ -159,6 +159,7 @@ async def models(request: Request) -> Response:
     ups = app.routing.upstreams
     results = await asyncio.gather(*(probe(app, u) for u in ups))
     data: list[dict[str, Any]] = []
+    seen: set[Any] = set()
     failures: list[str] = []
     for up, res in zip(ups, results, strict=True):
         if isinstance(res, UpstreamError) or res[0] != 200:
@@ -170,7 +171,9 @@ async def models(request: Request) -> Response:
             failures.append(f"{up.name}: not an OpenAI model list")
             continue
         for model in listed:
-            if isinstance(model, dict):
+            # A model two upstreams serve is listed once, under the first (routing order).
+            if isinstance(model, dict) and model.get("id") not in seen:
+                seen.add(model.get("id"))
                 data.append({**model, "upstream": up.name})
     if failures:
         log.warning("model list incomplete: %s", "; ".join(failures))

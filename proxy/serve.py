@@ -128,7 +128,8 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
 @contextmanager
 def embedded_engine(settings: Settings) -> Iterator[str]:
     """Start `infertap sim` as a child on a free loopback port; yield its base URL."""
-    cmd = [sys.executable, "-m", "proxy", "sim", "--host", "127.0.0.1", "--port", "0"]
+    # It stands in for whatever model a client names: accept any (a standalone sim does not).
+    cmd = [sys.executable, "-m", "proxy", "sim", "--host", "127.0.0.1", "--port", "0", "--accept-any-model"]
     if settings.sim_config:
         cmd += ["--config", settings.sim_config]
     # --exit-with-stdin: the child stops when this pipe closes, which happens however this process
@@ -233,12 +234,19 @@ def run(settings: Settings, argv: list[str] | None = None) -> None:
 
         app = create_app(settings, reload=reloader(argv) if argv is not None else None)
         config = uvicorn.Config(app, **common)  # type: ignore[arg-type]
-        server = uvicorn.Server(config)
+        # Bind before start-up: uvicorn would run the lifespan (and log "Application startup
+        # complete.") before finding the port taken. Several workers: uvicorn binds first itself.
+        try:
+            sock = config.bind_socket()
+        except SystemExit:  # uvicorn has logged the OS error
+            raise ConfigError(
+                f"cannot listen on {s.host}:{s.port}: another process (another infertap?) has it, or the "
+                "address is not this machine's; choose another with --port or [server] port"
+            ) from None
+        sockets = [sock]
         if s.admin_port:
-            sockets = [config.bind_socket(), _admin_socket(s.admin_host, s.admin_port)]
-            server.run(sockets=sockets)
-        else:
-            server.run()
+            sockets.append(_admin_socket(s.admin_host, s.admin_port))
+        uvicorn.Server(config).run(sockets=sockets)
         return
     os.environ[_SETTINGS_ENV] = settings.model_dump_json()
     if argv is not None:

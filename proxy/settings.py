@@ -390,6 +390,10 @@ def load_settings(config: str | os.PathLike[str] | None = None, **overrides: Any
     if path:
         p = Path(path)
         source = str(p)
+        if p.is_dir():
+            raise ConfigError(
+                f"{p} is a directory: --config takes a config.toml file (see config.example.toml)"
+            )
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:

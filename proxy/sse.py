@@ -15,11 +15,12 @@ from typing import Any
 
 import orjson
 
-# An event carries output when a text field holds a non-empty string, or a tool call starts.
+# An event carries output when a text field holds a non-empty string, or a tool call starts or
+# continues (a `tool_calls` list with an entry: some engines send `"tool_calls": []` with text).
 # A literal `"content"` inside a JSON string is escaped (\"content\"), so it cannot match.
 _OUTPUT = re.compile(
     rb'"(?:content|text|reasoning_content|reasoning|refusal)"\s*:\s*"(?!")'
-    rb'|"(?:tool_calls|function_call)"\s*:\s*[\[{]'
+    rb'|"tool_calls"\s*:\s*\[\s*\{|"function_call"\s*:\s*\{'
 )
 # An answer event: output that is not reasoning (reasoning_content/reasoning deltas come first in a
 # reasoning model's stream). Searched only until the first one is found.

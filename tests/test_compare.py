@@ -102,7 +102,8 @@ def sim_engine(kv_cache: bool) -> Iterator[str]:
     with serve_in_thread(create_sim_app(config)) as url:
         base = url + "/v1"
         # Warm-up: the first stream of the process pays one-off lazy imports; keep it out of A.
-        hi = {"model": "m", "stream": True, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+        hi = {"model": "sim-model", "stream": True, "max_tokens": 1,
+              "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
         httpx.post(f"{base}/chat/completions", json=hi).raise_for_status()
         yield base
 

@@ -57,7 +57,8 @@ def test_conventions(path: Path) -> None:
     assert dash["schemaVersion"] >= 39
     assert dash["uid"] == path.stem and len(dash["uid"]) <= 40
     names = [v["name"] for v in dash["templating"]["list"]]
-    assert names == ["datasource", "model", "upstream"]
+    engine = ["model_name", "instance"] if path.stem == "infertap-engine" else []
+    assert names == ["datasource", "job", "namespace", "model", "upstream", *engine]
     ids = [p["id"] for p in panels(dash)]
     assert len(ids) == len(set(ids))
     for p in panels(dash):
@@ -72,7 +73,8 @@ def test_conventions(path: Path) -> None:
         assert len(refs) == len(set(refs)) and refs, p["title"]
         for t in p["targets"]:
             assert t["datasource"]["uid"] == "${datasource}", p["title"]
-            assert "$model" in t["expr"] or "infertap_build_info" in t["expr"] or "$upstream" in t["expr"], (
+            uses = ("$model", "$upstream", "$job", "infertap_build_info")
+            assert any(u in t["expr"] for u in uses), (
                 f"{p['title']}: {t['expr']} ignores the dashboard's variables"
             )
 
@@ -153,3 +155,54 @@ def test_provisioning_points_at_the_dashboards() -> None:
 def test_kubernetes_copies_are_identical() -> None:
     for path in DASHBOARDS:
         assert (ROOT / "deploy" / "kubernetes" / "dashboards" / path.name).read_text() == path.read_text()
+
+
+def test_stat_panels_have_thresholds_and_the_error_ratio_is_zero_when_healthy() -> None:
+    """Without thresholds Grafana's default turns a stat red at 80 (Requests/s!); and with no failure
+    yet only outcome="ok" exists, so a plain ratio shows "No data" on a healthy system."""
+    for path in DASHBOARDS:
+        for p in panels(load(path)):
+            if p["type"] == "stat":
+                steps = p["fieldConfig"]["defaults"]["thresholds"]["steps"]
+                assert steps[0]["value"] is None and all(s["value"] is not None for s in steps[1:]), p[
+                    "title"
+                ]
+    overview = {p["title"]: p for p in panels(load(ROOT / "dashboards" / "infertap-overview.json"))}
+    ratio = overview["Error ratio"]
+    assert "or vector(0)" in ratio["targets"][0]["expr"]
+    assert [s["color"] for s in ratio["fieldConfig"]["defaults"]["thresholds"]["steps"]] == [
+        "green",
+        "yellow",
+        "red",
+    ]
+    assert [s["color"] for s in overview["Requests/s"]["fieldConfig"]["defaults"]["thresholds"]["steps"]] == [
+        "green"
+    ]
+    assert "rejected" in ratio["targets"][0]["expr"]  # client mistakes are not errors (as in the alert)
+    assert overview["Tokens/s"]["fieldConfig"]["defaults"]["unit"] == "suffix: tokens/s"
+
+
+def test_latency_quantiles_never_mix_models_and_engine_panels_use_instance() -> None:
+    for path in DASHBOARDS:
+        for p in panels(load(path)):
+            for t in p.get("targets", []):
+                for m in re.finditer(r"histogram_quantile\([\d.]+, sum by \(([^)]*)\)", t["expr"]):
+                    by = {x.strip() for x in m.group(1).split(",")}
+                    assert by & {"model", "model_name"}, f"{path.stem} / {p['title']}: {t['expr']}"
+                # every vLLM replica reports engine="0": group by instance instead
+                assert "by (engine)" not in t["expr"], p["title"]
+                if "vllm:" in t["expr"]:
+                    assert "$model_name" in t["expr"] and "$instance" in t["expr"], p["title"]
+
+
+def test_sre_panels() -> None:
+    titles = {path.stem: {p["title"] for p in panels(load(path))} for path in DASHBOARDS}
+    assert {
+        "Burn rate (1h)",
+        "Error budget left (3 days)",
+        "Requests missing the TTFT objective",
+        "Requests/s by route",
+        "Requests without usage",
+    } <= titles["infertap-overview"]
+    assert "Finish reasons (stop vs length)" in titles["infertap-engine"]
+    assert "TTFT per prompt token: now, 1 day and 1 week earlier" in titles["infertap-prefill-decode"]

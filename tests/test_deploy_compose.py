@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,12 @@ COMPOSE = ROOT / "docker-compose.yml"
 
 
 def compose_config(*args: str) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k not in ("TAOTOKEN_API_KEY", "HF_TOKEN", "VLLM_MODEL")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TAOTOKEN_API_KEY", "HF_TOKEN", "VLLM_MODEL", "BIND_ADDRESS", "GRAFANA_ADMIN_PASSWORD")
+    }
+    env["GRAFANA_ADMIN_PASSWORD"] = "test-only"
     r = subprocess.run(
         [tool("docker-compose"), "-f", str(COMPOSE), *args, "config", "--format", "yaml"],
         capture_output=True,
@@ -48,6 +54,33 @@ def test_compose_config_default_and_gpu_profile() -> None:
     env = gpu["services"]["infertap-gpu"]["environment"]
     assert yaml.safe_load(env["INFERTAP_UPSTREAMS"]) == [{"name": "vllm", "base_url": "http://vllm:8000/v1"}]
     assert default["services"]["infertap"]["environment"]["TAOTOKEN_API_KEY"] == ""
+    assert default["services"]["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == "test-only"
+    # vLLM exits at start-up on --otlp-traces-endpoint without the OpenTelemetry packages its image lacks
+    assert not any("otlp" in str(arg) for arg in gpu["services"]["vllm"]["command"])
+
+
+def test_every_port_is_published_on_loopback_only() -> None:
+    """Docker's port rules bypass host firewalls: 8080 on all interfaces relays the API key."""
+    gpu = compose_config("--profile", "gpu")
+    published = [(name, p) for name, svc in gpu["services"].items() for p in svc.get("ports", [])]
+    assert len(published) >= 6
+    for name, port in published:
+        assert port["host_ip"] == "127.0.0.1", (name, port)
+    text = COMPOSE.read_text()
+    assert "GRAFANA_ADMIN_PASSWORD:?" in text  # no admin/admin: compose refuses to start without it
+
+
+def test_compose_refuses_to_start_without_a_grafana_password() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "GRAFANA_ADMIN_PASSWORD"}
+    r = subprocess.run(
+        [tool("docker-compose"), "-f", str(COMPOSE), "config", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=ROOT,
+    )
+    assert r.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in r.stderr
 
 
 def test_docker_compose_plugin_if_present() -> None:
@@ -61,6 +94,7 @@ def test_docker_compose_plugin_if_present() -> None:
         text=True,
         timeout=60,
         cwd=ROOT,
+        env={**os.environ, "GRAFANA_ADMIN_PASSWORD": "test-only"},
     )
     assert r.returncode == 0, r.stderr
 
@@ -85,7 +119,8 @@ def test_pinned_images_health_checks_and_mounted_files() -> None:
 def test_no_secrets_in_the_file() -> None:
     text = COMPOSE.read_text()
     for m in re.finditer(r"^\s*(\w*(?:KEY|TOKEN|SECRET|PASSWORD)\w*):\s*(.*)$", text, re.M):
-        assert re.fullmatch(r"\$\{\w+:-\}", m.group(2).strip()), (
+        # from the environment: optional (${X:-}) or required with a message (${X:?...})
+        assert re.fullmatch(r"\$\{\w+(:-|:\?[^}]+)\}", m.group(2).strip()), (
             f"{m.group(1)} must come from the environment"
         )
     assert "sk-" not in text
@@ -95,12 +130,30 @@ def test_no_secrets_in_the_file() -> None:
 def test_dockerfile() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11[\w.\-]*$", text, re.M)
-    assert "RUN pip install ." in text
+    assert "RUN pip install -c constraints.txt ." in text
     assert re.search(r"^USER 10001$", text, re.M)
     assert 'CMD ["serve", "--host", "0.0.0.0", "--port", "8080"]' in text
     assert 'ENTRYPOINT ["infertap"]' in text
     ignore = (ROOT / ".dockerignore").read_text()
-    for needed in ("!pyproject.toml", "!README.md", "!proxy/"):
+    for needed in ("!pyproject.toml", "!README.md", "!constraints.txt", "!proxy/"):
         assert needed in ignore
     for path in re.findall(r"^COPY (\S+)", text, re.M) + ["README.md"]:
         assert (ROOT / path).exists(), path
+
+
+def test_constraints_pin_every_runtime_dependency() -> None:
+    """Image builds install exactly the versions CI tested (scripts/pin_constraints.py writes them)."""
+    from packaging.requirements import Requirement
+
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"constraints.txt: {line!r} is not pinned with =="
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    for dep in deps:
+        req = Requirement(dep)
+        name = re.sub(r"[-_.]+", "-", req.name).lower()
+        assert name in pins, f"{name} is not in constraints.txt: run scripts/pin_constraints.py"
+        assert req.specifier.contains(pins[name]), f"{name}=={pins[name]} does not satisfy {dep}"

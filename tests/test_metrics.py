@@ -285,37 +285,43 @@ def test_two_workers_aggregate_metrics(fake: tuple[FakeUpstream, str], tmp_path:
                 assert all("pid" not in g for g in gauges)
 
 
-def test_model_label_cap_holds_across_workers(fake: tuple[FakeUpstream, str], tmp_path: Path) -> None:
+@pytest.mark.parametrize("label", ["model", "client"])
+def test_label_caps_hold_across_workers(fake: tuple[FakeUpstream, str], tmp_path: Path, label: str) -> None:
+    """The `model` cap and the trusted client header's cap are per instance, not per worker."""
     _, url = fake
     cap = 5
     env = {
         **os.environ,
         "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
         "INFERTAP_METRICS__MAX_MODELS": str(cap),
+        "INFERTAP_CLIENTS__HEADER": "X-Infertap-Client",
+        "INFERTAP_CLIENTS__MAX_CLIENTS": str(cap),
         "INFERTAP_METRICS__ACCESS_LOG": "false",
     }
     with serve_process("--workers", "2", "--upstream", f"fake={url}", "--log-level", "warning", env=env) as (
         base,
         _,
     ):
-        # Made-up model names, a new connection each, until each worker (told apart by its request
-        # id prefix) has seen more than the cap: per-worker caps would then let 2 x cap through.
+        # Made-up names, a new connection each, until each worker (told apart by its request id
+        # prefix) has seen more than the cap: per-worker caps would then let 2 x cap through.
         per_worker: Counter[str] = Counter()
         sent = 0
         with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as c:
 
             def both_past_the_cap() -> bool:
                 nonlocal sent
-                r = c.post(f"{base}/v1/chat/completions", json={**CHAT, "model": f"made-up-{sent}"})
+                name = f"made-up-{sent}"
+                body = {**CHAT, "model": name} if label == "model" else CHAT
+                r = c.post(f"{base}/v1/chat/completions", json=body, headers={"x-infertap-client": name})
                 assert r.status_code == 200
                 sent += 1
                 per_worker[r.headers["x-request-id"].rsplit("-", 1)[0]] += 1
                 return len(per_worker) == 2 and min(per_worker.values()) > cap
 
-            wait_until(both_past_the_cap, 60, "both workers to see more made-up models than the cap")
+            wait_until(both_past_the_cap, 60, f"both workers to see more made-up {label}s than the cap")
             text = c.get(f"{base}/metrics").text
-    models = {lab["model"] for n, lab, _ in samples(text) if n == "infertap_requests_total"}
-    assert "other" in models and len(models - {"other"}) == cap, sorted(models)
+    values = {lab[label] for n, lab, _ in samples(text) if n == "infertap_requests_total"}
+    assert "other" in values and len(values - {"other"}) == cap, sorted(values)
     assert value(text, "infertap_requests_total") == sent
 
 
@@ -339,3 +345,17 @@ def test_exemplars_carry_the_real_trace_id(fake: tuple[FakeUpstream, str]) -> No
     assert any(f'trace_id="{trace_id}"' in ln for ln in ttft)
     e2e = [ln for ln in om.splitlines() if ln.startswith("infertap_request_duration_seconds_bucket")]
     assert any(f'trace_id="{trace_id}"' in ln for ln in e2e)
+
+
+def test_embeddings_access_log_says_usage_when_the_upstream_sent_it(
+    fake: tuple[FakeUpstream, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression (issue 16): an embeddings line said tokens_source "estimated" despite usage."""
+    _, url = fake
+    caplog.set_level(logging.INFO, logger="infertap.access")
+    with run_proxy(make_settings(("fake", url))) as proxy:
+        r = httpx.post(f"{proxy}/v1/embeddings", json={"model": "fake-model", "input": "hello world"})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 0
+    (line,) = [json.loads(r.getMessage()) for r in caplog.records if r.name == "infertap.access"]
+    assert line["route"] == "embeddings" and line["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
+    assert line["tokens_source"] == "usage"

@@ -236,3 +236,22 @@ def test_a_base_url_without_v1_gets_a_start_up_warning(tmp_path: Path) -> None:
     )
     warned = {u.name: u.config_warnings for u in router.upstreams}
     assert len(warned["bare"]) == 1 and warned["ok"] == () and warned["taotoken"] == ()
+
+
+def test_a_taken_port_fails_before_start_up_with_a_message(tmp_path: Path) -> None:
+    """Regression (issue 16): "Application startup complete." came before the bind error."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("INFERTAP_", "TAOTOKEN_"))}
+    env["INFERTAP_UPSTREAMS"] = '[{"name": "x", "base_url": "http://127.0.0.1:9/v1"}]'
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = _serve("--host", "127.0.0.1", "--port", str(port), env=env)
+    assert r.returncode == 2, r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "--port" in r.stderr
+    assert "Application startup complete" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_directory_given_as_config_says_so(tmp_path: Path) -> None:
+    r = _serve("--config", str(tmp_path))
+    assert r.returncode == 2 and "is a directory" in r.stderr and "not found" not in r.stderr

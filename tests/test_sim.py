@@ -173,7 +173,7 @@ def test_openai_sdk_chat_completions_embeddings_models() -> None:
     with sim_server() as base, openai.OpenAI(base_url=base, api_key="unused") as client:
         assert [m.id for m in client.models.list()] == ["sim-model"]
         got = client.chat.completions.create(
-            model="any-name-at-all",
+            model="sim-model",
             messages=[{"role": "user", "content": "hi"}],
             stream=True,
             stream_options={"include_usage": True},
@@ -181,28 +181,29 @@ def test_openai_sdk_chat_completions_embeddings_models() -> None:
         )
         chunks = list(got)
         text = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
-        assert len(text) == 7 and chunks[0].model == "any-name-at-all"
+        assert len(text) == 7 and chunks[0].model == "sim-model"
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 7
 
         whole = client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            model="sim-model", messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )
         assert whole.choices[0].finish_reason == "length" and whole.usage is not None
         assert whole.usage.completion_tokens == 4
         # The sim's own output re-tokenizes to what it was generated as.
         reply = whole.choices[0].message.content or ""
-        again = client.completions.create(model="m", prompt=reply, max_tokens=1)
+        again = client.completions.create(model="sim-model", prompt=reply, max_tokens=1)
         assert again.usage is not None and again.usage.prompt_tokens == 4 + 1  # + BOS
 
-        done = client.completions.create(model="m", prompt="once upon", stream=True, max_tokens=6)
+        done = client.completions.create(model="sim-model", prompt="once upon", stream=True, max_tokens=6)
         pieces = list(done)
         assert "".join(p.choices[0].text for p in pieces).count(" ") >= 4
         assert pieces[-1].choices[0].finish_reason == "length"
 
-        emb = client.embeddings.create(model="m", input=["alpha beta", "gamma"])  # SDK asks for base64
+        # the SDK asks for base64
+        emb = client.embeddings.create(model="sim-model", input=["alpha beta", "gamma"])
         assert [len(d.embedding) for d in emb.data] == [384, 384]
         assert emb.usage.prompt_tokens == 3
-        emb2 = client.embeddings.create(model="m", input="alpha beta", encoding_format="float")
+        emb2 = client.embeddings.create(model="sim-model", input="alpha beta", encoding_format="float")
         assert emb2.data[0].embedding == pytest.approx(emb.data[0].embedding, rel=1e-6)
 
 
@@ -242,7 +243,7 @@ def test_over_long_prompt_gets_vllms_400() -> None:
         assert r.status_code == 400 and "(203 in the messages, 100 in the completion)" in r.json()["message"]
         with openai.OpenAI(base_url=base, api_key="unused", max_retries=0) as sdk:
             with pytest.raises(openai.BadRequestError) as err:
-                sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": long}])
+                sdk.chat.completions.create(model="sim-model", messages=[{"role": "user", "content": long}])
         assert err.value.status_code == 400 and "maximum context length is 256" in str(err.value)
 
 
@@ -730,7 +731,8 @@ def test_cli_prints_the_ready_line_with_the_real_port() -> None:
             assert line.startswith(prefix) and line.endswith("/v1\n"), line
             port = int(line[len(prefix) : -len("/v1\n")])
             assert port > 0
-            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "m", "prompt": "x"})
+            body = {"model": "sim-model", "prompt": "x"}
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
             assert r.json()["usage"]["completion_tokens"] == 3
         finally:
             child.terminate()

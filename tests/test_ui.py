@@ -321,3 +321,11 @@ def test_quantiles_and_rings() -> None:
     ring.at(15).retries += 2  # the same slot, a later second: reset first
     assert ring.get(5) is None and ring.at(15).retries == 2
     assert [s.sec for s in ring.span(0, 20)] == [15]
+
+
+def test_the_only_upstream_is_the_default_as_the_start_up_log_says(fake: tuple[FakeUpstream, str]) -> None:
+    """Regression (issue 16): /ui/data said "default": false for the embedded sim, logged [default]."""
+    _, url = fake
+    with run_proxy(make_settings(("sim", url), ("other", url))) as proxy:
+        rows = {row["name"]: row["default"] for row in ui_data(proxy)["upstreams"]}
+    assert rows == {"sim": True, "other": False}

@@ -10,9 +10,14 @@ from typing import Any
 
 PROM = {"type": "prometheus", "uid": "${datasource}"}
 TRACES_UID = "jaeger"  # the trace datasource's uid in deploy/grafana/provisioning/datasources
-SEL = 'model=~"$model",upstream=~"$upstream"'
-UP = 'upstream=~"$upstream"'
-ENG = 'model_name=~"$model"'
+SCOPE = 'job=~"$job",namespace=~"$namespace"'
+SEL = SCOPE + ',model=~"$model",upstream=~"$upstream"'
+UP = SCOPE + ',upstream=~"$upstream"'
+ENG = 'model_name=~"$model_name",instance=~"$instance"'
+# What InfertapHighErrorRatio counts: client mistakes and disconnects are neither errors nor requests.
+NOT_CLIENT = 'outcome!~"client_error|client_disconnect|rejected"'
+FAILED = 'outcome!~"ok|client_error|client_disconnect|rejected"'
+TOKENS_PER_S = "suffix: tokens/s"
 RI = "$__rate_interval"
 
 FAULTS = {
@@ -39,12 +44,14 @@ def q(expr: str, legend: str = "", exemplar: bool = False, fmt: str = "time_seri
 
 
 def hq(quantile: float, metric: str, sel: str, by: str = "") -> str:
+    """A quantile of a histogram; `by` keeps series apart (never mix models in one quantile)."""
     group = f"{by}, le" if by else "le"
     return f"histogram_quantile({quantile}, sum by ({group}) (rate({metric}_bucket{{{sel}}}[{RI}])))"
 
 
 def quantiles(metric: str, sel: str, qs: tuple[float, ...], exemplar: bool = False) -> list[dict[str, Any]]:
-    return [q(hq(x, metric, sel), f"p{round(x * 100)}", exemplar) for x in qs]
+    """Per model: a quantile over every model mixes a fast small one with a slow big one."""
+    return [q(hq(x, metric, sel, "model"), f"{{{{model}}}} p{round(x * 100)}", exemplar) for x in qs]
 
 
 def ts(
@@ -103,14 +110,26 @@ def heatmap(title: str, expr: str, unit: str, description: str, exemplar: bool =
     }
 
 
-def stat(title: str, expr: str, unit: str, description: str, legend: str = "") -> dict[str, Any]:
+def stat(
+    title: str,
+    expr: str,
+    unit: str,
+    description: str,
+    legend: str = "",
+    steps: list[tuple[float, str]] | None = None,
+    base_color: str = "green",
+) -> dict[str, Any]:
+    """steps: (from value, color) above green; none means the number is never good or bad by itself
+    (without thresholds Grafana's default turns it red at 80)."""
+    base = [{"color": base_color, "value": None}]
+    thresholds = {"mode": "absolute", "steps": base + [{"color": c, "value": v} for v, c in steps or []]}
     return {
         "type": "stat",
         "title": title,
         "description": description,
         "datasource": PROM,
         "gridPos": {"h": 4, "w": 6, "x": 0, "y": 0},
-        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "fieldConfig": {"defaults": {"unit": unit, "thresholds": thresholds}, "overrides": []},
         "options": {
             "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
             "colorMode": "value",
@@ -156,7 +175,7 @@ def layout(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return panels
 
 
-def variables(with_upstream: bool = True) -> list[dict[str, Any]]:
+def variables(with_upstream: bool = True, engine: bool = False) -> list[dict[str, Any]]:
     def query_var(name: str, label: str, metric: str) -> dict[str, Any]:
         return {
             "name": name,
@@ -183,13 +202,21 @@ def variables(with_upstream: bool = True) -> list[dict[str, Any]]:
             "current": {"selected": False, "text": "Prometheus", "value": "prometheus"},
         }
     ]
+    out.append(query_var("job", "Job", "infertap_build_info"))
+    out.append(query_var("namespace", "Namespace", "infertap_build_info"))
     out.append(query_var("model", "Model", "infertap_requests_total"))
     if with_upstream:
         out.append(query_var("upstream", "Upstream", "infertap_requests_total"))
+    if engine:
+        # vLLM's own labels: its model_name, and instance (every vLLM replica reports engine="0").
+        out.append(query_var("model_name", "Engine model", "vllm:num_requests_running"))
+        out.append(query_var("instance", "Engine instance", "vllm:num_requests_running"))
     return out
 
 
-def dashboard(uid: str, title: str, description: str, panels: list[dict[str, Any]]) -> dict[str, Any]:
+def dashboard(
+    uid: str, title: str, description: str, panels: list[dict[str, Any]], engine: bool = False
+) -> dict[str, Any]:
     return {
         "uid": uid,
         "title": title,
@@ -243,14 +270,18 @@ def dashboard(uid: str, title: str, description: str, panels: list[dict[str, Any
                 "url": f"/explore?left=%7B%22datasource%22:%22{TRACES_UID}%22%7D",
             },
         ],
-        "templating": {"list": variables()},
+        "templating": {"list": variables(engine=engine)},
         "panels": layout(panels),
     }
 
 
 def overview() -> dict[str, Any]:
     req = f"infertap_requests_total{{{SEL}}}"
-    err = f'infertap_requests_total{{{SEL},outcome!~"ok|client_error|client_disconnect"}}'
+    err = f"infertap_requests_total{{{SEL},{FAILED}}}"
+    served = f"infertap_requests_total{{{SEL},{NOT_CLIENT}}}"
+    # `or vector(0)`: with no failure yet only outcome="ok" exists, and the ratio would be "No data".
+    err_ratio = f"(sum(rate({err}[{RI}])) or vector(0)) / sum(rate({served}[{RI}]))"
+    slo = 'model:infertap_ttft_slo_errors:ratio_rate{w}{{model=~"$model"}}'
     return dashboard(
         "infertap-overview",
         "infertap / Overview",
@@ -260,9 +291,11 @@ def overview() -> dict[str, Any]:
             stat("Requests/s", f"sum(rate({req}[{RI}]))", "reqps", "All requests through infertap."),
             stat(
                 "Error ratio",
-                f"sum(rate({err}[{RI}])) / sum(rate({req}[{RI}]))",
+                err_ratio,
                 "percentunit",
-                "Requests that ended in an outcome other than ok, client_error or client_disconnect.",
+                "Failed requests among those clients sent correctly (what InfertapHighErrorRatio reads: "
+                "client mistakes and disconnects are in neither part). Red from 5%, its threshold.",
+                steps=[(0.01, "yellow"), (0.05, "red")],
             ),
             stat(
                 "In flight",
@@ -289,7 +322,7 @@ def overview() -> dict[str, Any]:
             ts(
                 "Error and timeout ratio",
                 [
-                    q(f"sum(rate({err}[{RI}])) / sum(rate({req}[{RI}]))", "errors / requests"),
+                    q(err_ratio, "errors / requests"),
                     q(
                         f"sum by (phase) (rate(infertap_timeouts_total{{{UP}}}[{RI}])) / ignoring (phase) group_left "  # noqa: E501
                         f"sum(rate(infertap_upstream_attempts_total{{{UP}}}[{RI}]))",
@@ -298,6 +331,26 @@ def overview() -> dict[str, Any]:
                 ],
                 "percentunit",
                 "Alerts InfertapHighErrorRatio (5%) and InfertapHighTimeoutRate (2%) read these.",
+            ),
+            ts(
+                "Requests/s by route",
+                [q(f"sum by (route) (rate({req}[{RI}]))", "{{route}}")],
+                "reqps",
+                "Which API the traffic uses: chat.completions, completions, responses, embeddings...",
+                stack=True,
+            ),
+            ts(
+                "Client mistakes/s",
+                [
+                    q(
+                        f'sum by (outcome) (rate(infertap_requests_total{{{SCOPE},outcome=~"rejected|client_error"}}[{RI}]))',  # noqa: E501
+                        "{{outcome}}",
+                    )
+                ],
+                "reqps",
+                "rejected: infertap refused the request (bad JSON, no model, too large; model is 'none' when "
+                "there was none). client_error: the upstream's 4xx. Not an outage: InfertapClientErrors "
+                "opens a ticket above 10% (the model and upstream filters do not apply here).",
             ),
             ts(
                 "In-flight requests",
@@ -367,19 +420,67 @@ def overview() -> dict[str, Any]:
                 "s",
                 "Gap between consecutive output events. An SSE event may carry several tokens. " + FAULTS[4],
             ),
+            row("TTFT SLO: 99% of streamed requests get their first token within 2 s"),
+            stat(
+                "Burn rate (1h)",
+                f"max({slo.format(w='1h')}) / 0.01",
+                "short",
+                "How many times faster than allowed the error budget (1%) burns over the last hour. "
+                "InfertapTTFTSLOBurnRateFast pages at 14.4 (with the 5-minute window agreeing).",
+                steps=[(1, "yellow"), (6, "orange"), (14.4, "red")],
+            ),
+            stat(
+                "Error budget left (3 days)",
+                f"1 - max({slo.format(w='3d')}) / 0.01",
+                "percentunit",
+                "Share of the 1% budget not spent over the last 3 days (the longest recorded window): "
+                "below 0 the objective is missed.",
+                steps=[(0.25, "yellow"), (0.5, "green")],
+                base_color="red",
+            ),
+            ts(
+                "Requests missing the TTFT objective",
+                [q(slo.format(w=w), f"{{{{model}}}} {w}") for w in ("5m", "1h", "6h", "1d", "3d")],
+                "percentunit",
+                "Share of streamed requests over 2 s to the first token (or timed out before it), per "
+                "window; the budget is 1%. The burn-rate alerts compare these with 14.4%, 6%, 3% and 1%.",
+                w=12,
+            ),
             row("Tokens"),
             ts(
                 "Tokens/s",
                 [
-                    q(f"sum(rate(infertap_prompt_tokens_total{{{SEL}}}[{RI}]))", "prompt (in)"),
-                    q(f"sum(rate(infertap_completion_tokens_total{{{SEL}}}[{RI}]))", "completion (out)"),
+                    q(
+                        f"sum by (model) (rate(infertap_prompt_tokens_total{{{SEL}}}[{RI}]))",
+                        "{{model}} prompt (in)",
+                    ),
+                    q(
+                        f"sum by (model) (rate(infertap_completion_tokens_total{{{SEL}}}[{RI}]))",
+                        "{{model}} completion (out)",
+                    ),
                 ],
-                "short",
+                TOKENS_PER_S,
                 "Prompt tokens read and completion tokens written per second, from usage events.",
-                w=24,
+            ),
+            ts(
+                "Requests without usage",
+                [
+                    q(
+                        f"sum by (upstream) (rate(infertap_requests_without_usage_total{{{SEL}}}[{RI}]))",
+                        "{{upstream}}",
+                    )
+                ],
+                "reqps",
+                "Answers whose upstream sent no usage: their token counts are estimated (counted output "
+                "events, prompt from its length), so token and spend numbers are approximate for them.",
             ),
         ],
     )
+
+
+P95 = "model_upstream_prompt_class:infertap_time_to_first_token_seconds:p95_30m"
+PER_TOKEN = "model_upstream:infertap_time_to_first_token_per_prompt_token_seconds:mean30m"
+RSEL = 'model=~"$model",upstream=~"$upstream"'  # recording rules keep model and upstream only
 
 
 def prefill_decode() -> dict[str, Any]:
@@ -399,7 +500,7 @@ def prefill_decode() -> dict[str, Any]:
             ),
             ts(
                 "TTFT p95 by prompt class",
-                [q(hq(0.95, ttft, SEL, "prompt_class"), "{{prompt_class}}")],
+                [q(hq(0.95, ttft, SEL, "model, prompt_class"), "{{model}} {{prompt_class}}")],
                 "s",
                 "Prefill grows with prompt length: compare each class with itself, not the mix. " + FAULTS[3],
             ),
@@ -413,7 +514,12 @@ def prefill_decode() -> dict[str, Any]:
             ),
             ts(
                 "Requests/s by prompt class",
-                [q(f"sum by (prompt_class) (rate({ttft}_count{{{SEL}}}[{RI}]))", "{{prompt_class}}")],
+                [
+                    q(
+                        f"sum by (model, prompt_class) (rate({ttft}_count{{{SEL}}}[{RI}]))",
+                        "{{model}} {{prompt_class}}",
+                    )
+                ],
                 "reqps",
                 "The prompt-length mix. When it shifts to longer prompts, overall TTFT rises without any "
                 "regression: that is why the TTFT alert is per prompt class.",
@@ -422,10 +528,10 @@ def prefill_decode() -> dict[str, Any]:
             ts(
                 "TTFB vs TTFT",
                 [
-                    q(hq(0.5, "infertap_time_to_first_byte_seconds", SEL), "TTFB p50"),
-                    q(hq(0.5, ttft, SEL), "TTFT p50"),
-                    q(hq(0.95, "infertap_time_to_first_byte_seconds", SEL), "TTFB p95"),
-                    q(hq(0.95, ttft, SEL), "TTFT p95"),
+                    q(hq(0.5, "infertap_time_to_first_byte_seconds", SEL, "model"), "{{model}} TTFB p50"),
+                    q(hq(0.5, ttft, SEL, "model"), "{{model}} TTFT p50"),
+                    q(hq(0.95, "infertap_time_to_first_byte_seconds", SEL, "model"), "{{model}} TTFB p95"),
+                    q(hq(0.95, ttft, SEL, "model"), "{{model}} TTFT p95"),
                 ],
                 "s",
                 "TTFB: upstream status and headers arrived. TTFT: first output text. A gap between them is "
@@ -434,16 +540,21 @@ def prefill_decode() -> dict[str, Any]:
             ts(
                 "TPOT and tokens per second",
                 [
-                    q(hq(0.5, "infertap_time_per_output_token_seconds", SEL), "TPOT p50"),
-                    q(hq(0.95, "infertap_time_per_output_token_seconds", SEL), "TPOT p95"),
+                    q(hq(0.5, "infertap_time_per_output_token_seconds", SEL, "model"), "{{model}} TPOT p50"),
+                    q(hq(0.95, "infertap_time_per_output_token_seconds", SEL, "model"), "{{model}} TPOT p95"),
                 ],
                 "s",
                 "Decode speed per request. TPS = 1 / TPOT (next panel). " + FAULTS[1],
             ),
             ts(
                 "Output tokens/s per request (TPS = 1 / TPOT p50)",
-                [q(f"1 / {hq(0.5, 'infertap_time_per_output_token_seconds', SEL)}", "TPS p50")],
-                "short",
+                [
+                    q(
+                        f"1 / {hq(0.5, 'infertap_time_per_output_token_seconds', SEL, 'model')}",
+                        "{{model}} TPS p50",
+                    )
+                ],
+                TOKENS_PER_S,
                 "What one user sees as streaming speed.",
             ),
             heatmap(
@@ -461,14 +572,14 @@ def prefill_decode() -> dict[str, Any]:
             ts(
                 "TTFT p95: now, 1 day and 1 week earlier",
                 [
-                    q(hq(0.95, ttft, SEL), "now"),
+                    q(hq(0.95, ttft, SEL, "model"), "{{model}} now"),
                     q(
-                        f"histogram_quantile(0.95, sum by (le) (rate({ttft}_bucket{{{SEL}}}[{RI}] offset 1d)))",  # noqa: E501
-                        "1d ago",
+                        f"histogram_quantile(0.95, sum by (model, le) (rate({ttft}_bucket{{{SEL}}}[{RI}] offset 1d)))",  # noqa: E501
+                        "{{model}} 1d ago",
                     ),
                     q(
-                        f"histogram_quantile(0.95, sum by (le) (rate({ttft}_bucket{{{SEL}}}[{RI}] offset 1w)))",  # noqa: E501
-                        "1w ago",
+                        f"histogram_quantile(0.95, sum by (model, le) (rate({ttft}_bucket{{{SEL}}}[{RI}] offset 1w)))",  # noqa: E501
+                        "{{model}} 1w ago",
                     ),
                 ],
                 "s",
@@ -478,22 +589,31 @@ def prefill_decode() -> dict[str, Any]:
             ts(
                 "What the TTFT regression alert sees",
                 [
+                    q(f"{P95}{{{RSEL}}}", "{{model}} {{upstream}} {{prompt_class}} now"),
                     q(
-                        'model_prompt_class:infertap_time_to_first_token_seconds:p95_30m{model=~"$model"}',
-                        "{{model}} {{prompt_class}} now",
+                        f"1.3 * {P95}_1d_ago{{{RSEL}}}",
+                        "{{model}} {{upstream}} {{prompt_class}} 1.3 x 1d ago",
                     ),
                     q(
-                        '1.5 * model_prompt_class:infertap_time_to_first_token_seconds:p95_30m_1d_ago{model=~"$model"}',  # noqa: E501
-                        "{{model}} {{prompt_class}} 1.5 x 1d ago",
-                    ),
-                    q(
-                        '1.5 * model_prompt_class:infertap_time_to_first_token_seconds:p95_30m_1w_ago{model=~"$model"}',  # noqa: E501
-                        "{{model}} {{prompt_class}} 1.5 x 1w ago",
+                        f"1.3 * {P95}_1w_ago{{{RSEL}}}",
+                        "{{model}} {{upstream}} {{prompt_class}} 1.3 x 1w ago",
                     ),
                 ],
                 "s",
-                "Recording rules behind InfertapTTFTRegression: it fires when 'now' is above both "
-                "thresholds for 15 minutes (and above 0.25 s and 3 requests a minute).",
+                "Recording rules behind InfertapTTFTRegression: p95 per model, upstream and prompt class. It "
+                "fires when 'now' is above both thresholds for 15 minutes, above 0.25 s, with 6 requests a "
+                "minute now and in both baselines, and the next panel's signal is up 1.3x too.",
+            ),
+            ts(
+                "TTFT per prompt token: now, 1 day and 1 week earlier",
+                [
+                    q(f"{PER_TOKEN}{{{RSEL}}}", "{{model}} {{upstream}} now"),
+                    q(f"{PER_TOKEN}_1d_ago{{{RSEL}}}", "{{model}} {{upstream}} 1d ago"),
+                    q(f"{PER_TOKEN}_1w_ago{{{RSEL}}}", "{{model}} {{upstream}} 1w ago"),
+                ],
+                "s",
+                "Mean TTFT / mean prompt tokens: prefill speed whatever the prompt length. Longer prompts "
+                "lower it (the fixed part of TTFT is shared by more tokens); slower prefill raises it.",
             ),
             ts(
                 "Mean output tokens per request",
@@ -524,7 +644,7 @@ def engine() -> dict[str, Any]:
         "infertap-engine",
         "infertap / Engine",
         "The engine behind infertap (vLLM or the simulated engine): where prefill and decode time "
-        "goes. Engine series use model_name=~$model.",
+        "goes. Engine series use the model_name and instance variables (vLLM's labels).",
         [
             text(
                 "The five common faults, and where each shows",
@@ -534,10 +654,16 @@ def engine() -> dict[str, Any]:
             ts(
                 "TTFT: engine vs proxy (p95)",
                 [
-                    q(hq(0.95, "vllm:time_to_first_token_seconds", ENG), "engine p95"),
-                    q(hq(0.95, ttft, SEL), "proxy p95"),
-                    q(hq(0.5, "vllm:time_to_first_token_seconds", ENG), "engine p50"),
-                    q(hq(0.5, ttft, SEL), "proxy p50"),
+                    q(
+                        hq(0.95, "vllm:time_to_first_token_seconds", ENG, "model_name"),
+                        "engine {{model_name}} p95",
+                    ),
+                    q(hq(0.95, ttft, SEL, "model"), "proxy {{model}} p95"),
+                    q(
+                        hq(0.5, "vllm:time_to_first_token_seconds", ENG, "model_name"),
+                        "engine {{model_name}} p50",
+                    ),
+                    q(hq(0.5, ttft, SEL, "model"), "proxy {{model}} p50"),
                 ],
                 "s",
                 "Proxy TTFT minus engine TTFT is the network plus infertap. Equal and high: the engine. "
@@ -546,8 +672,11 @@ def engine() -> dict[str, Any]:
             ts(
                 "Inter-token latency: engine vs proxy (p50)",
                 [
-                    q(hq(0.5, "vllm:inter_token_latency_seconds", ENG), "engine"),
-                    q(hq(0.5, "infertap_inter_token_latency_seconds", SEL), "proxy"),
+                    q(
+                        hq(0.5, "vllm:inter_token_latency_seconds", ENG, "model_name"),
+                        "engine {{model_name}}",
+                    ),
+                    q(hq(0.5, "infertap_inter_token_latency_seconds", SEL, "model"), "proxy {{model}}"),
                 ],
                 "s",
                 FAULTS[4],
@@ -555,9 +684,15 @@ def engine() -> dict[str, Any]:
             ts(
                 "Queue, prefill and decode time (p95)",
                 [
-                    q(hq(0.95, "vllm:request_queue_time_seconds", ENG), "queue"),
-                    q(hq(0.95, "vllm:request_prefill_time_seconds", ENG), "prefill"),
-                    q(hq(0.95, "vllm:request_decode_time_seconds", ENG), "decode"),
+                    q(hq(0.95, "vllm:request_queue_time_seconds", ENG, "model_name"), "{{model_name}} queue"),
+                    q(
+                        hq(0.95, "vllm:request_prefill_time_seconds", ENG, "model_name"),
+                        "{{model_name}} prefill",
+                    ),
+                    q(
+                        hq(0.95, "vllm:request_decode_time_seconds", ENG, "model_name"),
+                        "{{model_name}} decode",
+                    ),
                 ],
                 "s",
                 "Queue time up: prefill requests wait their turn (fault 2). Prefill time up at the same "
@@ -566,8 +701,8 @@ def engine() -> dict[str, Any]:
             ts(
                 "Requests waiting and running",
                 [
-                    q(f"sum by (engine) (vllm:num_requests_waiting{{{ENG}}})", "waiting {{engine}}"),
-                    q(f"sum by (engine) (vllm:num_requests_running{{{ENG}}})", "running {{engine}}"),
+                    q(f"sum by (instance) (vllm:num_requests_waiting{{{ENG}}})", "waiting {{instance}}"),
+                    q(f"sum by (instance) (vllm:num_requests_running{{{ENG}}})", "running {{instance}}"),
                 ],
                 "short",
                 "Waiting > 0 for long: the batch is full (max_num_seqs, max_num_batched_tokens). "
@@ -575,7 +710,7 @@ def engine() -> dict[str, Any]:
             ),
             ts(
                 "KV cache usage",
-                [q(f"max by (engine) (vllm:kv_cache_usage_perc{{{ENG}}})", "{{engine}}")],
+                [q(f"max by (instance) (vllm:kv_cache_usage_perc{{{ENG}}})", "{{instance}}")],
                 "percentunit",
                 FAULTS[1] + " " + FAULTS[3],
             ),
@@ -605,19 +740,40 @@ def engine() -> dict[str, Any]:
                     q(f"sum(rate(vllm:prompt_tokens_total{{{ENG}}}[{RI}]))", "prompt"),
                     q(f"sum(rate(vllm:generation_tokens_total{{{ENG}}}[{RI}]))", "generation"),
                 ],
-                "short",
+                TOKENS_PER_S,
                 "Compare with infertap's tokens/s: the engine also serves traffic that bypasses infertap.",
             ),
             ts(
                 "End-to-end: engine vs proxy (p95)",
                 [
-                    q(hq(0.95, "vllm:e2e_request_latency_seconds", ENG), "engine"),
-                    q(hq(0.95, "infertap_request_duration_seconds", SEL), "proxy", exemplar=True),
+                    q(
+                        hq(0.95, "vllm:e2e_request_latency_seconds", ENG, "model_name"),
+                        "engine {{model_name}}",
+                    ),
+                    q(
+                        hq(0.95, "infertap_request_duration_seconds", SEL, "model"),
+                        "proxy {{model}}",
+                        exemplar=True,
+                    ),
                 ],
                 "s",
                 "Exemplar dots on the proxy series open the request's trace.",
             ),
+            ts(
+                "Finish reasons (stop vs length)",
+                [
+                    q(
+                        f"sum by (finished_reason) (rate(vllm:request_success_total{{{ENG}}}[{RI}]))",
+                        "{{finished_reason}}",
+                    )
+                ],
+                "reqps",
+                "stop: the model ended its answer; length: it hit max_tokens; abort: the client left. "
+                "length growing at unchanged traffic is " + FAULTS[5],
+                stack=True,
+            ),
         ],
+        engine=True,
     )
 
 

@@ -1,7 +1,7 @@
 """The simulated engine's HTTP server: OpenAI's wire format over the Engine.
 
-Any model name is accepted and echoed back, so the sim works as a default upstream whatever
-the client asks for; /v1/models lists the configured name.
+It serves the model names of its config (proxy/sim/models.py; others get 404 model_not_found
+unless [sim] accept_any_model is set) and answers tool calls (proxy/sim/tools.py).
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from proxy.sim.admin import admin_routes
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Engine
-from proxy.sim.metrics import SimMetrics
+from proxy.sim.metrics import SimMetrics, cache_info
+from proxy.sim.models import ServedModels
 from proxy.sim.protocol import (
     ApiError,
     ChatRequest,
@@ -44,6 +46,7 @@ from proxy.sim.protocol import (
 from proxy.sim.responses import ResponsesFormat
 from proxy.sim.sampling import embedding
 from proxy.sim.sequence import Finished, Sequence
+from proxy.sim.tools import ToolCall, plan_tool_call, tool_call_choice, tool_call_message
 
 _STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -68,8 +71,10 @@ class WireFormat(Protocol):
 class _Format:
     """Chunks and bodies of one response, chat or text completion."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool) -> None:
+    def __init__(self, chat: bool, model: str, include_usage: bool, tool: ToolCall | None = None) -> None:
         self.chat = chat
+        self.tool = tool
+        self.tokens = 0
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.model = model
         self.created = int(time.time())
@@ -97,9 +102,14 @@ class _Format:
         return self._event([self._choice(None, None, role=True)]) if self.chat else b""
 
     def token(self, text: str) -> bytes:
+        if self.tool is not None:
+            self.tokens += 1  # the text is not used: the call's header, then its argument fragments
+            return self._event([tool_call_choice(self.tool, self.tokens - 1)])
         return self._event([self._choice(text, None)])
 
     def end(self, reason: str, usage: dict[str, int]) -> bytes:
+        if self.tool is not None and reason == "stop":
+            reason = "tool_calls"
         out = self._event([self._choice(None, reason)])
         if self.include_usage:
             out += self._event([], usage)
@@ -107,7 +117,10 @@ class _Format:
 
     def whole(self, text: str, reason: str, usage: dict[str, int]) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
-        if self.chat:
+        if self.tool is not None:
+            choice["message"] = tool_call_message(self.tool)
+            reason = "tool_calls" if reason == "stop" else reason
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
@@ -135,12 +148,10 @@ class _Api:
         self.engine = engine
         self.metrics = metrics
         self.created = int(time.time())
+        self.served = ServedModels(config, self.created)
 
     async def models(self, request: Request) -> Response:
-        name = self.config.model.name
-        card = {"id": name, "object": "model", "created": self.created, "owned_by": "infertap-sim",
-                "root": name, "parent": None, "max_model_len": self.config.model.max_model_len}  # fmt: skip
-        return _json({"object": "list", "data": [card]})
+        return _json({"object": "list", "data": self.served.cards()})
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
@@ -171,15 +182,18 @@ class _Api:
             else:
                 req = parse(ResponsesRequest, body)
                 prompt = responses_prompt(req)
-            spec = build_spec(self.config, req, prompt, request.headers)
+            model = self.served.check(req.model)
+            tool = None
+            if not isinstance(req, CompletionRequest):
+                tool = plan_tool_call(req, prompt, self.config.sim.seed)
+            spec = build_spec(self.config, req, prompt, request.headers, tool.tokens if tool else None)
         except ApiError as e:
             return _error(e)
-        model = req.model or self.config.model.name
         fmt: WireFormat
         if isinstance(req, ResponsesRequest):
-            fmt = ResponsesFormat(model, req)
+            fmt = ResponsesFormat(model, req, tool)
         else:
-            fmt = _Format(kind == "chat", model, req.include_usage)
+            fmt = _Format(kind == "chat", model, req.include_usage, tool)
         seq = self.engine.submit(spec)
         if req.stream:
             return StreamingResponse(
@@ -231,6 +245,7 @@ class _Api:
     async def embeddings(self, request: Request) -> Response:
         try:
             req = parse(EmbeddingRequest, await request.body())
+            model = self.served.check(req.model)
             inputs = input_tokens(req.input)
             if not inputs:
                 raise invalid("input: must not be empty", param="input")
@@ -257,9 +272,7 @@ class _Api:
                 value = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
             data.append({"object": "embedding", "index": i, "embedding": value})
         usage = {"prompt_tokens": total, "total_tokens": total}
-        return _json(
-            {"object": "list", "data": data, "model": req.model or self.config.model.name, "usage": usage}
-        )
+        return _json({"object": "list", "data": data, "model": model, "usage": usage})
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
@@ -271,7 +284,7 @@ async def _not_found(request: Request, exc: Exception) -> Response:
 
 
 def create_sim_app(config: SimConfig) -> Starlette:
-    metrics = SimMetrics(config.model.name)
+    metrics = SimMetrics(config.model.name, cache_info(config))
     engine = Engine(config, metrics)
     metrics.bind(engine)
     api = _Api(config, engine, metrics)
@@ -293,6 +306,7 @@ def create_sim_app(config: SimConfig) -> Starlette:
         Route("/v1/embeddings", api.embeddings, methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_endpoint, methods=["GET"]),
+        *admin_routes(config),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _not_found, 405: _not_found})
     app.state.engine = engine  # for tests and `doctor`-style introspection in-process

@@ -12,6 +12,7 @@ from typing import Any
 
 import uvicorn
 
+from proxy.sim.admin import install_sighup
 from proxy.sim.app import create_sim_app
 from proxy.sim.config import SimConfig, SimConfigError, load_sim_config, with_overrides
 
@@ -28,9 +29,26 @@ examples:
   curl -N http://127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' \\
     -d '{"model":"sim-model","stream":true,"messages":[{"role":"user","content":"hi"}]}'
 
+Models: it serves [model] name (default sim-model) and [sim] served_model_names, or the --model
+names; any other model gets OpenAI's 404 model_not_found, unless --accept-any-model (which
+`infertap serve` gives its embedded engine).
+
+Tools: with `tools` in a chat or Responses request, it answers with a function call when
+tool_choice is "required" or names a function, and with "auto" (the default) decides by a seeded
+draw (the same request always gets the same kind of answer; after a tool result it answers in
+text). Chat streams `tool_calls` deltas (id and name, then argument fragments) and ends with
+finish_reason "tool_calls"; the Responses API streams a function_call item and
+response.function_call_arguments.delta events. The arguments fit the tool's JSON schema.
+
 Per-request test hooks (headers): x-sim-output-tokens, x-sim-ttft-ms, x-sim-tpot-ms.
-Endpoints: /v1/models, /v1/chat/completions, /v1/completions, /v1/embeddings, /health,
-/metrics (vLLM names: vllm:time_to_first_token_seconds, vllm:num_preemptions_total, ...).
+
+Change the timing while it runs (rehearse an alert under live traffic; no restart):
+  curl http://127.0.0.1:8000/admin/timing                    # what is in effect
+  curl -X POST http://127.0.0.1:8000/admin/timing -H 'content-type: application/json' \
+    -d '{"sim": {"prefill_ms_per_token": 0.075}, "batching": {"max_num_seqs": 4}}'
+  kill -HUP PID        # re-read the timing keys of --config ([sim] step costs, batch limits)
+Endpoints: /v1/models, /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, /health,
+/admin/timing, /metrics (vLLM names: vllm:time_to_first_token_seconds, vllm:num_preemptions_total, ...).
 """
 
 
@@ -60,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--output-tokens", type=int, metavar="N", help="answer length ([sim] default_output_tokens)"
     )
+    p.add_argument(
+        "--model",
+        action="append",
+        metavar="NAME",
+        help="a model name to serve (repeat for several; default [model] name and [sim] served_model_names)",
+    )
+    p.add_argument(
+        "--accept-any-model",
+        action="store_true",
+        help="answer any model name instead of 404 model_not_found ([sim] accept_any_model)",
+    )
     # For `infertap serve`, which holds the other end of our stdin: stop when it goes away.
     p.add_argument("--exit-with-stdin", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -80,6 +109,11 @@ def resolve_config(args: argparse.Namespace) -> SimConfig:
         overrides["kv_cache"]["enable"] = False
     if args.max_num_seqs is not None:
         overrides["batching"]["max_num_seqs"] = args.max_num_seqs
+    if args.model:
+        overrides["model"] = {"name": args.model[0]}
+        overrides["sim"]["served_model_names"] = args.model[1:]
+    if args.accept_any_model:
+        overrides["sim"]["accept_any_model"] = True
     return with_overrides(config, overrides)
 
 
@@ -104,7 +138,8 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
+async def _serve(server: uvicorn.Server, sock: socket.socket, config: SimConfig, path: str | None) -> None:
+    install_sighup(config, path)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():  # failed to bind: uvicorn has logged why
@@ -151,7 +186,7 @@ def main(argv: list[str]) -> int:
     if args.exit_with_stdin:
         _exit_on_stdin_eof(server)
     try:
-        asyncio.run(_serve(server, sock))
+        asyncio.run(_serve(server, sock, config, args.config))
     except SystemExit as e:  # uvicorn exits this way when it cannot bind
         return e.code if isinstance(e.code, int) else 1
     except KeyboardInterrupt:

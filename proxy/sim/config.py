@@ -89,6 +89,10 @@ class SimSection(_Section):
     fixed_ttft_ms: float | None = Field(default=None, ge=0)
     fixed_tpot_ms: float | None = Field(default=None, ge=0)
     embedding_dim: int = Field(default=384, gt=0, le=8192)
+    # Names served besides [model] name (vLLM's --served-model-name takes several too).
+    served_model_names: list[str] = Field(default_factory=list)
+    # Answer any model name (echoed back) instead of 404 model_not_found.
+    accept_any_model: bool = False
 
 
 class SimConfig(_Section):

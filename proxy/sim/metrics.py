@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
+from proxy.sim.config import SimConfig
 from proxy.sim.engine import Engine
 from proxy.sim.sequence import RequestTiming
 
@@ -24,10 +25,23 @@ ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 FINISHED_REASONS = ("stop", "length", "abort")
 
 
+def cache_info(config: SimConfig) -> dict[str, str]:
+    """The labels of vllm:cache_config_info (a subset of vLLM's), as vLLM spells them."""
+    kv = config.kv_cache
+    return {
+        "block_size": str(kv.block_size),
+        "cache_dtype": kv.cache_dtype,
+        "enable_prefix_caching": str(kv.enable),
+        "gpu_memory_utilization": str(config.model.gpu_memory_utilization),
+        "num_gpu_blocks": str(kv.num_gpu_blocks if kv.enable else 0),
+        "swap_space": str(kv.swap_space_gb),
+    }
+
+
 class SimMetrics:
     """Implements proxy.sim.sequence.EngineStats."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, cache_info: dict[str, str] | None = None) -> None:
         self.registry = registry = CollectorRegistry(auto_describe=True)
         names = ["model_name", "engine"]
         values = {"model_name": model_name, "engine": "0"}  # vLLM V1 labels every metric with its engine
@@ -83,6 +97,11 @@ class SimMetrics:
         )  # fmt: skip
         # Children created up front, so every reason is exposed (at 0) from the first scrape.
         self.success = {r: success.labels(**values, finished_reason=r) for r in FINISHED_REASONS}
+        if cache_info is not None:
+            # vLLM's info gauge of its CacheConfig: num_gpu_blocks="0" is the sim's KV cache turned off.
+            info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                         sorted(cache_info), registry=registry)  # fmt: skip
+            info.labels(**cache_info).set(1)
 
     def exposition(self, accept: str) -> tuple[bytes, str]:
         """The body and content type for a scrape (OpenMetrics when the scraper asks for it)."""

@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI API as the sim accepts them, and how one becomes a RequestSpec.
 
-Unknown OpenAI fields (user, logprobs, frequency_penalty, tools, ...) are accepted and ignored,
-so any client works; the fields that change the simulation are validated.
+Unknown OpenAI fields (user, logprobs, frequency_penalty, ...) are accepted and ignored, so any
+client works; the fields that change the simulation are validated. `tools` and `tool_choice` are
+read by proxy/sim/tools.py.
 
 Test hooks, per request (headers win over the body field):
   x-sim-output-tokens: N   or  "sim": {"output_tokens": N}   the length the answer ends at by itself
@@ -237,14 +238,21 @@ def check_context(config: SimConfig, prompt_len: int, max_tokens: int | None) ->
 
 
 def build_spec(
-    config: SimConfig, req: _Generate, prompt: list[str], headers: Mapping[str, str]
+    config: SimConfig,
+    req: _Generate,
+    prompt: list[str],
+    headers: Mapping[str, str],
+    tool_tokens: int | None = None,
 ) -> RequestSpec:
+    """`tool_tokens`: the answer is a tool call of that many tokens (proxy/sim/tools.py), not text."""
     hints = _hints(req, headers)
     max_tokens = req.output_limit
     check_context(config, len(prompt), max_tokens)
     decode = config.decode
     cap = min(max_tokens or decode.max_tokens, config.model.max_model_len - len(prompt))
     natural = hints.output_tokens if hints.output_tokens is not None else config.sim.default_output_tokens
+    if tool_tokens is not None:
+        natural = tool_tokens
     temperature = req.temperature if req.temperature is not None else decode.temperature
     penalty = req.repetition_penalty if req.repetition_penalty is not None else decode.repetition_penalty
     # Same input, same text: with a seed, or greedy decoding; otherwise each request differs.
@@ -258,9 +266,9 @@ def build_spec(
         prompt=prompt,
         max_new=min(natural, cap),
         final_reason="length" if natural >= cap else "stop",
-        looping=is_looping(temperature, penalty),
+        looping=tool_tokens is None and is_looping(temperature, penalty),
         seed_key=seed_key,
-        stop=tuple(s for s in stop if s),
+        stop=() if tool_tokens is not None else tuple(s for s in stop if s),
         ttft_ms=hints.ttft_ms,
         tpot_ms=hints.tpot_ms,
     )

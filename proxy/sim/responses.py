@@ -16,14 +16,16 @@ from typing import Any
 import orjson
 
 from proxy.sim.protocol import ResponsesRequest
+from proxy.sim.tools import ToolCall
 
 
 class ResponsesFormat:
     """Events and the whole body of one Responses API answer (the sim's _Format interface)."""
 
-    def __init__(self, model: str, req: ResponsesRequest) -> None:
+    def __init__(self, model: str, req: ResponsesRequest, tool: ToolCall | None = None) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
-        self.item_id = f"msg_{uuid.uuid4().hex}"
+        self.tool = tool
+        self.item_id = f"{'fc' if tool else 'msg'}_{uuid.uuid4().hex}"
         self.model = model
         self.created_at = int(time.time())
         self.echo = {
@@ -44,6 +46,10 @@ class ResponsesFormat:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
     def _item(self, status: str, text: str | None) -> dict[str, Any]:
+        if self.tool is not None:
+            call = self.tool
+            return {"id": self.item_id, "type": "function_call", "status": status, "call_id": call.call_id,
+                    "name": call.name, "arguments": text or ""}  # fmt: skip
         content = [] if text is None else [self._part(text)]
         return {
             "id": self.item_id,
@@ -86,6 +92,10 @@ class ResponsesFormat:
         return "incomplete" if reason == "length" else "completed"
 
     def first(self) -> bytes:
+        if self.tool is not None:  # the function call item opens with the first generated token
+            return self._event("response.created", response=self._response("in_progress", [])) + self._event(
+                "response.in_progress", response=self._response("in_progress", [])
+            )
         # Everything before the first token goes at once, as the chat role chunk does.
         return b"".join(
             (
@@ -105,6 +115,8 @@ class ResponsesFormat:
         )
 
     def token(self, text: str) -> bytes:
+        if self.tool is not None:
+            return self._tool_token()
         self.text.append(text)
         return self._event(
             "response.output_text.delta",
@@ -115,7 +127,31 @@ class ResponsesFormat:
             logprobs=[],
         )
 
+    def _tool_token(self) -> bytes:
+        # The header (name, call id) first, then the arguments one fragment a token.
+        assert self.tool is not None
+        i, fragments = len(self.text), self.tool.fragments
+        self.text.append("" if i == 0 or i > len(fragments) else fragments[i - 1])
+        if i == 0:
+            return self._event(
+                "response.output_item.added", output_index=0, item=self._item("in_progress", "")
+            )
+        where = {"item_id": self.item_id, "output_index": 0}
+        return self._event("response.function_call_arguments.delta", **where, delta=self.text[-1])
+
     def end(self, reason: str, usage: dict[str, int]) -> bytes:
+        if self.tool is not None:
+            arguments = "".join(self.text)
+            status = self._status(reason)
+            item = self._item("completed", arguments)
+            where = {"item_id": self.item_id, "output_index": 0}
+            return b"".join(
+                (
+                    self._event("response.function_call_arguments.done", **where, arguments=arguments),
+                    self._event("response.output_item.done", output_index=0, item=item),
+                    self._event(f"response.{status}", response=self._response(status, [item], usage)),
+                )
+            )
         text = "".join(self.text)
         status = self._status(reason)
         where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
@@ -130,4 +166,6 @@ class ResponsesFormat:
         )
 
     def whole(self, text: str, reason: str, usage: dict[str, int]) -> dict[str, Any]:
+        if self.tool is not None:
+            text = self.tool.arguments
         return self._response(self._status(reason), [self._item("completed", text)], usage)

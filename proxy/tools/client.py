@@ -14,6 +14,7 @@ exception, and the API key never appears in any message.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -296,6 +297,9 @@ def _describe_exception(
         reason = str(e) or type(e).__name__
         if _caused_by(e, ConnectionRefusedError) or "refused" in reason.lower():
             reason = "connection refused: is the server running?"
+        elif _caused_by(e, socket.gaierror) or "name or service not known" in reason.lower():
+            # The seed's settings.json names taotoken.net: offline, say how to measure locally.
+            reason += "; offline? --base-url http://127.0.0.1:8080/v1 measures infertap on this machine"
         return "connect_error", f"cannot connect to {where} ({reason})"
     if isinstance(e, httpx.ReadTimeout):
         limit = f" within the read timeout ({read_timeout:g} s)" if read_timeout else ""

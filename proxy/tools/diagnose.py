@@ -29,6 +29,7 @@ E_SUCCESS = "vllm:request_success_total"
 E_WAITING = "vllm:num_requests_waiting"
 E_RUNNING = "vllm:num_requests_running"
 E_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name, pre-0.10 name
+E_CACHE_INFO = "vllm:cache_config_info"
 ENGINE_GAUGES = (E_WAITING, E_RUNNING, *E_KV_USAGE)
 CUT_OUTCOMES = ("stream_interrupted", "idle_timeout", "total_timeout")
 
@@ -108,21 +109,39 @@ def _kv_usage(poll: dict[str, float]) -> float | None:
     return None
 
 
+def _cache_blocks(engine: Samples | None) -> int | None:
+    """num_gpu_blocks from the engine's cache_config_info, when it says."""
+    if engine is None:
+        return None
+    for labels, _ in engine.series(E_CACHE_INFO):
+        value = dict(labels).get("num_gpu_blocks", "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def _length_ratio(p: Samples) -> float | None:
+    """Length-weighted TPOT over the per-request mean TPOT (docs/doctor.md, fault 1)."""
+    tpot, itl = p.histogram(TPOT), p.histogram(ITL)
+    if tpot is None or itl is None or not tpot.count or not itl.count or not tpot.mean or itl.mean is None:
+        return None
+    gaps_in_tokens = p.total(COMPLETION + "_sum") - tpot.count
+    per_event = max(1.0, gaps_in_tokens / itl.count) if gaps_in_tokens > 0 else 1.0
+    return itl.mean / per_event / tpot.mean
+
+
 # -- fault 1 --------------------------------------------------------------------------------------
 def kv_cache(inp: Inputs, th: Thresholds) -> Finding | None:
     p = inp.proxy
-    tpot, itl = p.histogram(TPOT), p.histogram(ITL)
+    tpot = p.histogram(TPOT)
     evidence: list[str] = []
     numbers: dict[str, Any] = {}
     fired = False
-    if tpot is not None and itl is not None and tpot.count >= th.min_requests and itl.count > 0:
-        assert tpot.mean is not None and itl.mean is not None
-        # Σ decode time / Σ (tokens - 1) over streams: each stream weighted by its length. Above
-        # the per-request mean TPOT exactly when longer answers decode slower per token.
-        gaps_in_tokens = p.total(COMPLETION + "_sum") - tpot.count
-        per_event = max(1.0, gaps_in_tokens / itl.count) if gaps_in_tokens > 0 else 1.0
-        weighted = itl.mean / per_event
-        ratio = weighted / tpot.mean if tpot.mean > 0 else 0.0
+    # Σ decode time / Σ (tokens - 1) over streams: each stream weighted by its length. Above the
+    # per-request mean TPOT exactly when longer answers decode slower per token.
+    ratio = _length_ratio(p)
+    if tpot is not None and tpot.mean and ratio is not None and tpot.count >= th.min_requests:
+        weighted = ratio * tpot.mean
         numbers |= {"tpot_mean_s": _r(tpot.mean), "tpot_token_weighted_s": _r(weighted),
                     "length_ratio": _r(ratio, 3), "streams": int(tpot.count)}  # fmt: skip
         if ratio >= th.tpot_length_ratio:
@@ -132,6 +151,11 @@ def kv_cache(inp: Inputs, th: Thresholds) -> Finding | None:
                 f"{ratio:.2f}x the per-request mean of {fmt_s(tpot.mean)} over {int(tpot.count)} streams "
                 "(longer answers decode slower per token)"
             )
+    blocks = _cache_blocks(inp.engine)
+    if blocks == 0:
+        fired = True
+        numbers["engine_num_gpu_blocks"] = 0
+        evidence.append(f'the engine reports no KV-cache blocks ({E_CACHE_INFO} num_gpu_blocks="0")')
     running = [poll for poll in inp.engine_polls if poll.get(E_RUNNING, 0) > 0]
     usage = [_kv_usage(poll) for poll in running]
     if running and all(u is not None and u <= 0 for u in usage):
@@ -357,6 +381,27 @@ def looping(inp: Inputs, th: Thresholds) -> Finding | None:
 
 
 RULES = (kv_cache, prefill_queueing, context_length, stream_cut, looping)
+SAMPLE_MORE_S = 30  # what to ask for when there are too few streams
+
+
+def needs(inp: Inputs, th: Thresholds) -> list[str]:
+    """What doctor lacks to call the metrics healthy: empty when the evidence is enough."""
+    out: list[str] = []
+    ttft = inp.proxy.histogram(TTFT)
+    streams = int(ttft.count) if ttft is not None else 0
+    if streams < th.min_requests:
+        out.append(
+            f"too little traffic to judge: {streams} stream(s), at least {th.min_requests} needed; "
+            f"sample for {SAMPLE_MORE_S} s more while traffic flows "
+            f"(`infertap doctor --interval {SAMPLE_MORE_S}`)"
+        )
+    ratio = _length_ratio(inp.proxy)
+    if inp.engine is None and ratio is not None and 1.05 <= ratio < th.tpot_length_ratio:
+        out.append(
+            f"TPOT rises with answer length ({ratio:.2f}x, {th.tpot_length_ratio:g}x would be a finding): "
+            "too little to call without the engine: point me at the engine's /metrics (--engine-metrics URL)"
+        )
+    return out
 
 
 def diagnose(inp: Inputs, th: Thresholds | None = None) -> list[Finding]:

@@ -28,7 +28,15 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-INSTALL_HINT = "pip install 'infertap[plot]'"
+
+def install_hint() -> str:
+    """How to install the plot extra: into this checkout's environment when run from one."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file() and (root / "proxy").is_dir():
+        return f"{Path(sys.executable)} -m pip install -e '{root}[plot]'"
+    return "pip install 'infertap[plot]'"
+
+
 FIGSIZE = (12.0, 5.0)
 DPI = 100
 COLOR_A = "#1f77b4"  # blue
@@ -43,7 +51,7 @@ def _canvas() -> tuple[type[Figure], Any]:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as e:
-        raise ToolError(f"--plot needs matplotlib, an optional extra: {INSTALL_HINT} ({e})") from None
+        raise ToolError(f"--plot needs matplotlib, an optional extra: {install_hint()} ({e})") from None
     return Figure, FigureCanvasAgg
 
 

@@ -32,7 +32,8 @@ from proxy.tools.target import (
 _EPILOG = """\
 examples:
   infertap probe --base-url http://127.0.0.1:8080/v1 --model sim-model
-  infertap probe --settings examples/settings.json           # the seed's client settings, as is
+  infertap probe --settings examples/settings.json           # the seed's client settings, as is (TaoToken)
+  infertap probe --settings examples/settings.json --base-url http://127.0.0.1:8080/v1   # offline: infertap
   infertap probe --base-url http://127.0.0.1:8000/v1 -n 100 -c 8 --json > run.json
   TAOTOKEN_API_KEY=sk-... infertap probe --base-url https://taotoken.net/api --model MODEL
 
@@ -75,7 +76,7 @@ def add_chart_arguments(parser: argparse.ArgumentParser) -> None:
         "--plot",
         metavar="FILE",
         help="also draw the TTFT and TPOT distributions into FILE (.png, .svg, .pdf; 1200x500 px); "
-        "needs matplotlib: pip install 'infertap[plot]'",
+        "needs matplotlib: pip install 'infertap[plot]', from a checkout .venv/bin/pip install -e '.[plot]'",
     )
 
 

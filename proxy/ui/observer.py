@@ -292,6 +292,9 @@ class UIObserver(Observer):
 
     def _upstreams(self) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
+        # The router's default: the one flagged, else the first (as the start-up log says).
+        ups = self.settings.upstreams
+        default = next((u.name for u in ups if u.default), ups[0].name if ups else None)
         for up in self.settings.upstreams:
             is_up, since = self.health.get(up.name, (True, None))
             rows.append(
@@ -300,7 +303,7 @@ class UIObserver(Observer):
                     "base_url": display_url(up.base_url),
                     "state": "up" if is_up else "circuit_open",
                     "since": since,
-                    "default": up.default,
+                    "default": up.name == default,
                     "models": up.models,
                     "fallback": up.fallback,
                     "api_key_env": up.api_key_env,

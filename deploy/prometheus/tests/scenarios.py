@@ -16,20 +16,27 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-MODEL, UPSTREAM = "llama-3.1-8b", "vllm"
+MODEL, UPSTREAM, JOB = "llama-3.1-8b", "vllm", "infertap"
+INSTANCES = ("infertap-0:8080", "infertap-1:8080")
 TTFT_LE = (0.25, 0.5, 1.0, 2.0, 3.0, math.inf)
-TPOT_LE = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, math.inf)
+TPOT_LE = (0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, math.inf)
+# mean prompt tokens of a class's requests, unless a step says otherwise
+PROMPT_TOKENS = {"<1k": 500, "1k-4k": 1500, "4k-16k": 8000, ">16k": 20000}
 MIN, HOUR, DAY = 60, 3600, 86400
 
 
 @dataclass
 class Step:
-    classes: dict[str, tuple[float, float]]  # prompt_class -> (requests per second, TTFT seconds)
+    # prompt_class -> (requests per second, TTFT seconds[, mean prompt tokens])
+    classes: dict[str, tuple[float, ...]]
     tpot: float = 0.03
     failed: dict[str, float] = field(default_factory=dict)  # outcome -> share of all requests
     timeouts: dict[str, float] = field(default_factory=dict)  # phase -> share of attempts
+    rejected: float = (
+        0.0  # client mistakes per second: {model="none", outcome="rejected"}, as infertap counts them
+    )
     upstream_up: int = 1
-    proxy_up: int = 1
+    proxy_up: tuple[int, ...] = (1, 1)  # per instance in INSTANCES; () = nobody scrapes infertap
 
 
 Scenario = Callable[[int], Step]  # seconds since the start -> traffic
@@ -73,6 +80,8 @@ def gauge(values: list[float]) -> str:
 
 
 def labels(name: str, **kv: str) -> str:
+    """A series as Prometheus stores infertap's: with the job and instance of its scrape."""
+    kv = {"job": JOB, "instance": INSTANCES[0], **kv}
     return name + "{" + ",".join(f'{k}="{v}"' for k, v in kv.items()) + "}"
 
 
@@ -89,14 +98,25 @@ def series(scenario: Scenario, interval: int, duration: int) -> list[dict[str, s
     phases = sorted({p for s in steps for p in s.timeouts})
     req = dict(route="chat.completions", model=MODEL, upstream=UPSTREAM, stream="true")
     for i, s in enumerate(steps):
-        served = {c: rps * interval for c, (rps, _) in s.classes.items()} if s.proxy_up else {}
+        served = {c: v[0] * interval for c, v in s.classes.items()} if any(s.proxy_up) else {}
         total = sum(served.values())
         n_failed = {o: share * total for o, share in s.failed.items()}
         # Requests that failed before the first token got no TTFT; stream_interrupted ones did.
         no_token = sum(v for o, v in n_failed.items() if o != "stream_interrupted")
+        ok_share = 1 - sum(n_failed.values()) / total if total else 0.0
+        prompt_sum = 0.0
         for c in classes:
             n = served.get(c, 0.0) * (1 - no_token / total) if total else 0.0
             ttft = s.classes.get(c, (0.0, 0.0))[1]
+            tokens = s.classes[c][2] if len(s.classes.get(c, ())) > 2 else PROMPT_TOKENS[c]
+            prompt_sum += served.get(c, 0.0) * ok_share * tokens
+            add(
+                labels(
+                    "infertap_time_to_first_token_seconds_sum", model=MODEL, upstream=UPSTREAM, prompt_class=c
+                ),
+                i,
+                n * ttft,
+            )
             for le in TTFT_LE:
                 add(
                     labels(
@@ -135,9 +155,19 @@ def series(scenario: Scenario, interval: int, duration: int) -> list[dict[str, s
             i,
             total - no_token,
         )
+        add(labels("infertap_request_prompt_tokens_sum", model=MODEL, upstream=UPSTREAM), i, prompt_sum)
+        add(
+            labels("infertap_request_prompt_tokens_count", model=MODEL, upstream=UPSTREAM),
+            i,
+            total * ok_share,
+        )
         for o in outcomes:
             n = total - sum(n_failed.values()) if o == "ok" else n_failed.get(o, 0.0)
             add(labels("infertap_requests_total", **req, outcome=o), i, n)
+        bad = dict(
+            route="chat.completions", model="none", upstream="none", stream="false", outcome="rejected"
+        )
+        add(labels("infertap_requests_total", **bad), i, s.rejected * interval if any(s.proxy_up) else 0.0)
         n_timeouts = {p: share * total for p, share in s.timeouts.items()}
         for p in phases:
             add(labels("infertap_timeouts_total", upstream=UPSTREAM, phase=p), i, n_timeouts.get(p, 0.0))
@@ -158,12 +188,13 @@ def series(scenario: Scenario, interval: int, duration: int) -> list[dict[str, s
             "values": gauge([first.upstream_up] + [s.upstream_up for s in steps]),
         }
     )
-    out.append(
-        {
-            "series": labels("up", job="infertap", instance="infertap:8080"),
-            "values": gauge([first.proxy_up] + [s.proxy_up for s in steps]),
-        }
-    )
+    for n, instance in enumerate(INSTANCES if first.proxy_up else ()):
+        out.append(
+            {
+                "series": labels("up", instance=instance),
+                "values": gauge([first.proxy_up[n]] + [s.proxy_up[n] for s in steps]),
+            }
+        )
     return out
 
 
@@ -204,6 +235,19 @@ def longer_prompts(t: int) -> Step:
     if t > 8 * DAY - 2 * HOUR:
         return Step({"<1k": (0.02, 0.375), "4k-16k": (1.0, 1.5)})
     return Step({"<1k": (1.0, 0.375), "4k-16k": (0.02, 1.5)})
+
+
+def longer_prompts_within_class(t: int) -> Step:
+    """Two hours ago every 1k-4k prompt doubled (1500 -> 3000 tokens) and its TTFT with it (prefill is
+    per token): that class's p95 doubles, but prefill is as fast per prompt token as before."""
+    if t > 8 * DAY - 2 * HOUR:
+        return Step({"<1k": (1.0, 0.375), "1k-4k": (0.5, 1.2, 3000)})
+    return Step({"<1k": (1.0, 0.375), "1k-4k": (0.5, 0.6, 1500)})
+
+
+def fast_decode_slower(t: int) -> Step:
+    """TPOT 4 ms -> 7 ms: 1.75x, and still faster than anyone reads (under the 25 ms floor)."""
+    return Step({"<1k": (1.0, 0.75)}, tpot=0.007 if t > 8 * DAY - HOUR else 0.004)
 
 
 def ttft_regression(t: int) -> Step:
@@ -254,9 +298,27 @@ def upstream_down(t: int) -> Step:
     return Step({"<1k": (1.0, 0.75)}, upstream_up=0 if t > 55 * MIN else 1)
 
 
+def client_mistakes(t: int) -> Step:
+    """One bad request (no model: rejected) for every ten good ones: not an outage, not a ticket."""
+    return Step({"<1k": (1.0, 0.75)}, rejected=0.1)
+
+
+def bad_client(t: int) -> Step:
+    """From 30 minutes on a client sends one bad request for every two good ones."""
+    return Step({"<1k": (1.0, 0.75)}, rejected=0.5 if t > 30 * MIN else 0.0)
+
+
+def one_proxy_down(t: int) -> Step:
+    return Step({"<1k": (1.0, 0.75)}, proxy_up=(0, 1) if t > 55 * MIN else (1, 1))
+
+
 def proxy_down(t: int) -> Step:
     down = t > 55 * MIN
-    return Step({} if down else {"<1k": (1.0, 0.75)}, proxy_up=0 if down else 1)
+    return Step({} if down else {"<1k": (1.0, 0.75)}, proxy_up=(0, 0) if down else (1, 1))
+
+
+def not_scraped(t: int) -> Step:
+    return Step({}, proxy_up=())
 
 
 SEV = {
@@ -268,8 +330,11 @@ SEV = {
     "InfertapHighTimeoutRate": "warning",
     "InfertapStreamsInterrupted": "warning",
     "InfertapUpstreamDown": "critical",
-    "InfertapProxyDown": "critical",
+    "InfertapProxyDown": "warning",
+    "InfertapAllProxiesDown": "critical",
+    "InfertapNotScraped": "warning",
     "InfertapNoTraffic": "warning",
+    "InfertapClientErrors": "warning",
 }
 
 # file -> (sample interval s, rule evaluation interval s, duration s,
@@ -300,10 +365,18 @@ FILES: dict[
                 "TTFT regression in one prompt class",
                 ttft_regression,
                 [8 * DAY],
-                {"InfertapTTFTRegression": [{"model": MODEL, "prompt_class": "<1k"}]},
+                {"InfertapTTFTRegression": [{"model": MODEL, "upstream": UPSTREAM, "prompt_class": "<1k"}]},
             ),
-            ("TPOT regression", tpot_regression, [8 * DAY], {"InfertapTPOTRegression": [{"model": MODEL}]}),
-            ("traffic stops", no_traffic, [8 * DAY], {"InfertapNoTraffic": [{"model": MODEL}]}),
+            (
+                "TPOT regression",
+                tpot_regression,
+                [8 * DAY],
+                {"InfertapTPOTRegression": [{"model": MODEL, "upstream": UPSTREAM}]},
+            ),
+            ("traffic stops", no_traffic, [8 * DAY], {"InfertapNoTraffic": [{"job": JOB, "model": MODEL}]}),
+            # Silent, and here rather than in silent.test.yml to keep that file's run time down:
+            ("prompts twice as long within their class", longer_prompts_within_class, [8 * DAY], {}),
+            ("fast decode a little slower (TPOT floor)", fast_decode_slower, [8 * DAY], {}),
         ],
     ),
     "slo.test.yml": (
@@ -330,7 +403,19 @@ FILES: dict[
         MIN,
         2 * HOUR,
         [
-            ("upstream errors", errors, [HOUR + 10 * MIN], {"InfertapHighErrorRatio": [{"model": MODEL}]}),
+            (
+                "upstream errors",
+                errors,
+                [HOUR + 10 * MIN],
+                {"InfertapHighErrorRatio": [{"job": JOB, "model": MODEL}]},
+            ),
+            ("a client's bad requests (10%) do not page", client_mistakes, [HOUR + 10 * MIN], {}),
+            (
+                "a client sends mostly bad requests: a ticket, not a page",
+                bad_client,
+                [HOUR + 30 * MIN],
+                {"InfertapClientErrors": [{"job": JOB}]},
+            ),
             (
                 "TTFT timeouts",
                 timeouts,
@@ -350,11 +435,21 @@ FILES: dict[
                 {"InfertapUpstreamDown": [{"upstream": UPSTREAM}]},
             ),
             (
-                "proxy not scraped",
+                "one of two proxies not scraped: a ticket",
+                one_proxy_down,
+                [HOUR + 5 * MIN],
+                {"InfertapProxyDown": [{"job": JOB, "instance": INSTANCES[0]}]},
+            ),
+            (
+                "every proxy not scraped: a page",
                 proxy_down,
                 [HOUR + 5 * MIN],
-                {"InfertapProxyDown": [{"job": "infertap", "instance": "infertap:8080"}]},
+                {
+                    "InfertapProxyDown": [{"job": JOB, "instance": i} for i in INSTANCES],
+                    "InfertapAllProxiesDown": [{"job": JOB}],
+                },
             ),
+            ("no infertap target at all", not_scraped, [HOUR], {"InfertapNotScraped": [{"job": JOB}]}),
         ],
     ),
 }
@@ -369,6 +464,21 @@ EXPR_TESTS = {
             "rate(infertap_time_to_first_token_seconds_bucket[30m] offset 1d)))",
             "eval_time": "8d",
             "exp_samples": [{"labels": f'{{model="{MODEL}"}}', "value": 1}],
+        }
+    ],
+    # ... and doubling the prompts of one class doubles that class's p95, past the 1.3x factor: the
+    # per-prompt-token signal is what keeps the alert silent.
+    "prompts twice as long within their class": [
+        {
+            "expr": 'model_upstream_prompt_class:infertap_time_to_first_token_seconds:p95_30m{prompt_class="1k-4k"}'  # noqa: E501
+            " > bool 1.3 * model_upstream_prompt_class:infertap_time_to_first_token_seconds:p95_30m_1d_ago",
+            "eval_time": "8d",
+            "exp_samples": [
+                {
+                    "labels": f'{{model="{MODEL}",prompt_class="1k-4k",upstream="{UPSTREAM}"}}',
+                    "value": 1,
+                }
+            ],
         }
     ],
 }
