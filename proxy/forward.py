@@ -14,24 +14,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
-
-import orjson
 
 from proxy.asgi import BodyTooLarge, ClientGone, RawHeaders, Receive, Scope, Send, read_body, send_error
 from proxy.attempt import Attempter, Call, Failure, Ready
 from proxy.errors import ERRORS, ErrorKind, describe, outcome_of
-from proxy.exchange import Exchange, Outcome, prompt_class
+from proxy.exchange import DEFAULT_PROMPT_CLASS_BOUNDS, Exchange, Outcome
 from proxy.observer import ObserverSet
-from proxy.relay import relay_body, relay_sse, response_headers, stamp_outputs, status_outcome, take_facts
+from proxy.relay import relay_committed, response_headers, status_outcome, take_facts
 from proxy.request import (
     PathRejected,
     RequestIds,
     RequestRejected,
+    fill_record,
     forwarded_headers,
     parse_request,
     passthrough_suffix,
-    prompt_chars,
+    with_usage,
 )
 from proxy.routes import OTHER, Route
 from proxy.sse import StreamFacts, error_event
@@ -48,7 +46,7 @@ class Forwarder:
         client: UpstreamClient,
         observers: ObserverSet,
         max_body_bytes: int,
-        prompt_class_bounds: tuple[int, ...] = (1024, 4096, 16384),
+        prompt_class_bounds: tuple[int, ...] = DEFAULT_PROMPT_CLASS_BOUNDS,
         max_concurrency: int = 0,
     ) -> None:
         self.router = router
@@ -120,22 +118,13 @@ class Forwarder:
             return
         original = body
         if obj is not None:
-            ex.request_json = obj
-            ex.model = obj["model"]
-            ex.stream = obj.get("stream") is True
-            ex.prompt_chars = prompt_chars(obj)
-            ex.prompt_class = prompt_class(ex.estimated_prompt_tokens, self.prompt_class_bounds)
-            ex.params = {
-                k: obj[k]
-                for k in ("max_tokens", "max_completion_tokens", "max_output_tokens", "temperature", "top_p")
-                if k in obj
-            }
+            fill_record(ex, obj, self.prompt_class_bounds)
         router = self.router  # this request's: a reload swaps self.router for new requests only
         upstream = router.route(ex.model)
         ex.upstream = upstream.name
         ex.upstream_url = upstream.display_url
         if obj is not None and ex.stream and route.stream_options:
-            body = self._maybe_inject_usage(ex, obj, upstream, body)
+            body = with_usage(ex, obj, body, upstream.name in self.attempter.no_stream_options)
         if scope.get("query_string"):
             suffix += "?" + scope["query_string"].decode("latin-1")
         call = Call(ex, route, upstream, suffix, forwarded_headers(scope), body, original, rid)
@@ -158,15 +147,6 @@ class Forwarder:
         self.observers.request_received(ex)
         await send_error(send, status, message, kind, code, rid + (extra or []), param)
         self._end(ex, Outcome.REJECTED, status, message)
-
-    def _maybe_inject_usage(self, ex: Exchange, obj: dict[str, Any], up: Upstream, body: bytes) -> bytes:
-        opts = obj.get("stream_options")
-        if isinstance(opts, dict) and "include_usage" in opts:
-            return body
-        if up.name in self.attempter.no_stream_options or (opts is not None and not isinstance(opts, dict)):
-            return body
-        ex.usage_injected = True
-        return orjson.dumps({**obj, "stream_options": {**(opts or {}), "include_usage": True}})
 
     def _end(
         self, ex: Exchange, outcome: Outcome, status: int | None = None, error: str | None = None
@@ -333,36 +313,7 @@ class Forwarder:
                     "headers": response_headers(resp.raw_headers, is_sse, call.rid),
                 }
             )
-            if ready.prefetched is not None:
-                await send({"type": "http.response.body", "body": ready.prefetched, "more_body": True})
-            elif ready.scanner is not None:
-                if ready.pending:
-                    await send(
-                        {"type": "http.response.body", "body": b"".join(ready.pending), "more_body": True}
-                    )
-                    if ready.outputs:
-                        stamp_outputs(ex, self.observers, ready.outputs, time.perf_counter())
-                await relay_sse(send, ex, self.observers, ready.chunks, ready.scanner)
-                facts = ready.scanner.facts
-                if facts.error_events:
-                    outcome = Outcome.UPSTREAM_ERROR
-                elif not facts.done:
-                    outcome = Outcome.STREAM_INTERRUPTED
-                    msg = (
-                        f"upstream '{ex.upstream}' ended the stream without {ready.scanner.END}: "
-                        "the answer is incomplete"
-                    )
-                    await send(
-                        {
-                            "type": "http.response.body",
-                            "more_body": True,
-                            "body": error_event(msg, outcome.value),
-                        }
-                    )
-                    ex.error_message = msg
-            else:
-                capture = call.route.json_body and "json" in resp.headers.get("content-type", "")
-                facts = await relay_body(send, ready.chunks, capture, ex.capture_output_chars)
+            facts, outcome = await relay_committed(send, call, ready, self.observers, outcome)
             read_all = True
         except self.attempter.errors as e:
             err = self.attempter.client.error(e)

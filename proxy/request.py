@@ -12,6 +12,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import orjson
 
 from proxy.asgi import Scope, header
+from proxy.exchange import Exchange, prompt_class
 from proxy.routes import Route
 
 _HOP_BY_HOP = frozenset(
@@ -159,6 +160,31 @@ def prompt_chars(obj: dict[str, Any]) -> int:
     if isinstance(instructions, str):
         total += len(instructions)
     return total
+
+
+def fill_record(ex: Exchange, obj: dict[str, Any], bounds: tuple[int, ...]) -> None:
+    """The request record's fields that come from a parsed JSON body."""
+    ex.request_json = obj
+    ex.model = obj["model"]
+    ex.stream = obj.get("stream") is True
+    ex.prompt_chars = prompt_chars(obj)
+    ex.prompt_class = prompt_class(ex.estimated_prompt_tokens, bounds)
+    ex.params = {k: obj[k] for k in _PARAMS if k in obj}
+
+
+_PARAMS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "temperature", "top_p")
+
+
+def with_usage(ex: Exchange, obj: dict[str, Any], body: bytes, upstream_rejects_it: bool) -> bytes:
+    """The body with `stream_options.include_usage` added, so that a stream reports its token
+    usage; unchanged when the client decided itself, or the upstream rejects stream_options."""
+    opts = obj.get("stream_options")
+    if isinstance(opts, dict) and "include_usage" in opts:
+        return body
+    if upstream_rejects_it or (opts is not None and not isinstance(opts, dict)):
+        return body
+    ex.usage_injected = True
+    return orjson.dumps({**obj, "stream_options": {**(opts or {}), "include_usage": True}})
 
 
 def retry_after(value: str | None) -> float | None:

@@ -31,6 +31,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from proxy.exchange import DEFAULT_PROMPT_CLASS_BOUNDS
+
 TAOTOKEN_BASE_URL = "https://taotoken.net/api"
 TAOTOKEN_HOST = "taotoken.net"
 
@@ -109,7 +111,7 @@ class MetricsSettings(_Section):
         description="glob allow-list for the `model` label (default: the upstreams' model patterns)",
     )
     max_models: int = Field(default=100, ge=1, description="distinct model label values; the rest is 'other'")
-    prompt_class_bounds: list[int] = Field(default=[1024, 4096, 16384], min_length=1)
+    prompt_class_bounds: list[int] = Field(default=list(DEFAULT_PROMPT_CLASS_BOUNDS), min_length=1)
     ttft_buckets: list[float] | None = None
     itl_buckets: list[float] | None = None
     tpot_buckets: list[float] | None = None
