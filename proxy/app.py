@@ -89,6 +89,7 @@ class InfertapApp:
             self.settings.server.max_body_bytes,
             tuple(self.settings.metrics.prompt_class_bounds),
             self.settings.server.max_concurrency,
+            self.settings.circuit.when_all_open,
         )
         self._runtime = _Runtime(client, router, forwarder)
         for up in router.upstreams:

@@ -38,6 +38,7 @@ class Call:
     original_body: bytes
     rid: RawHeaders
     committed: bool = False
+    sse: bool = False  # the committed answer is an event stream (an error event can end it)
 
 
 @dataclass(slots=True)
