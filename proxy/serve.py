@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import shutil
 import signal
@@ -168,7 +169,9 @@ def run(settings: Settings) -> None:
         # No X-Forwarded-* rewriting: infertap does not use the client address, and the middleware
         # is one more layer on every request.
         proxy_headers=False,
-        timeout_graceful_shutdown=5,
+        # The app's drain (proxy/drain.py) ends the requests still open at [server] drain_timeout,
+        # each with a visible error; uvicorn's own cancel is only the backstop behind it.
+        timeout_graceful_shutdown=math.ceil(s.drain_timeout) + 5,
     )
     if s.workers == 1:
         from proxy.app import create_app
