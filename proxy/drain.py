@@ -46,8 +46,7 @@ class Drain:
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         if self.draining:
-            self._stop_accepting()  # asked twice: stop taking new requests now
-            return
+            return  # a repeat (with --workers the supervisor sends one more): the drain is under way
         self.started_at = time.perf_counter()
         self.draining = True  # before anything else: /readyz answers 503 from here on
         if self._loop is not None:
