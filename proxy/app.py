@@ -20,7 +20,7 @@ import orjson
 
 from proxy import __version__
 from proxy.accesslog import AccessLog
-from proxy.asgi import Receive, Scope, Send, error_body, header, send_error, send_json
+from proxy.asgi import Message, Receive, Scope, Send, error_body, header, send_error, send_json
 from proxy.auth import ClientKeys, bearer_token
 from proxy.drain import Drain
 from proxy.forward import Forwarder
@@ -28,6 +28,7 @@ from proxy.health import UpstreamChecker, probe_models
 from proxy.loops import LoopDetector
 from proxy.metrics import CollectorRegistry, Metrics
 from proxy.observer import Observer, ObserverSet
+from proxy.request import RequestIds
 from proxy.settings import Settings
 from proxy.tracing import build_tracing
 from proxy.ui import UIObserver, UIRoutes
@@ -65,6 +66,7 @@ class InfertapApp:
         self.client_keys = ClientKeys.from_settings(settings.auth)
         self.metrics_token = bearer_token(settings.auth.metrics_token_env)
         self.observers = ObserverSet(observers)
+        self.request_ids = RequestIds()
         self._runtime: _Runtime | None = None
         self._plain: dict[tuple[str, str], Handler] = {
             ("GET", "/healthz"): self._healthz,
@@ -106,6 +108,8 @@ class InfertapApp:
             models = ", ".join(up.models) if up.models else "(no patterns)"
             default = " [default]" if up is router.default else ""
             log.info("upstream %s%s: %s, models %s, %s", up.name, default, up.display_url, models, key)
+            for warning in up.config_warnings:
+                log.warning("%s", warning)
 
     async def shutdown(self) -> None:
         if self._runtime is not None:
@@ -131,6 +135,18 @@ class InfertapApp:
         elif kind == "lifespan":
             await self._lifespan(receive, send)
 
+    def _stamped(self, scope: Scope, send: Send) -> Send:
+        """`send` with X-Request-Id added to the response: for every answer that the forwarder
+        (which sets its own) does not give."""
+        rid = (b"x-request-id", self.request_ids(scope).encode())
+
+        async def stamped(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), rid]}
+            await send(message)
+
+        return stamped
+
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         method: str = scope["method"]
@@ -140,7 +156,7 @@ class InfertapApp:
             and not self.client_keys.check(header(scope, b"authorization"))
         ):
             await send_error(
-                send,
+                self._stamped(scope, send),
                 401,
                 "a valid infertap key is required: send 'Authorization: Bearer "
                 "<key>' with a key configured in [auth]",
@@ -154,7 +170,7 @@ class InfertapApp:
             route, allowed = proxied
             if method != allowed:
                 await send_error(
-                    send,
+                    self._stamped(scope, send),
                     405,
                     f"{path} accepts {allowed} only, not {method}",
                     "invalid_request_error",
@@ -165,13 +181,13 @@ class InfertapApp:
             return
         handler = self._plain.get((method, path))
         if handler is not None:
-            await handler(scope, receive, send)
+            await handler(scope, receive, self._stamped(scope, send))
             return
         if path.startswith("/v1/"):
             await self.runtime.forwarder.handle(scope, receive, send, "other")
             return
         await send_error(
-            send,
+            self._stamped(scope, send),
             404,
             f"no route {method} {path}: infertap serves /v1/* (the OpenAI API), /healthz, /readyz, "
             "/status, /metrics and /ui",

@@ -38,7 +38,7 @@ class Call:
     original_body: bytes
     rid: RawHeaders
     committed: bool = False
-    sse: bool = False  # the committed answer is an event stream (an error event can end it)
+    committed_sse: bool = False  # what was committed can carry an in-band error event
 
 
 @dataclass(slots=True)
@@ -71,13 +71,20 @@ class Attempter:
         self.no_stream_options: set[str] = set()
 
     def headers_for(self, call: Call, up: Upstream) -> dict[str, str]:
+        """The attempt's headers as observers see them: without the key (see `_keyed`)."""
         headers = dict(call.headers)
         headers.update(up.headers)
         headers["accept-encoding"] = "identity"
         headers["x-request-id"] = call.ex.request_id
-        if up.api_key:
-            headers["authorization"] = f"Bearer {up.api_key}"
         return headers
+
+    @staticmethod
+    def _keyed(headers: dict[str, str], up: Upstream) -> dict[str, str]:
+        """The headers as sent. The key joins them only here, in a copy no observer ever holds,
+        so no repr() or log of the Exchange can show it."""
+        if not up.api_key:
+            return headers
+        return {**headers, "authorization": f"Bearer {up.api_key}"}
 
     async def run(self, call: Call, up: Upstream, last: bool) -> Ready | Failure:
         """One upstream attempt, up to the point where its answer can be committed."""
@@ -96,7 +103,7 @@ class Attempter:
                 resp = await self.client.request(
                     ex.method,
                     up.url(call.suffix),
-                    headers=ex.upstream_headers,
+                    headers=self._keyed(ex.upstream_headers, up),
                     data=call.body or None,
                     timeout=up.timeout,
                     allow_redirects=False,
@@ -115,14 +122,18 @@ class Attempter:
                 if status == 400 and ex.usage_injected:
                     content = await resp.read()
                     if b"stream_options" in content:
-                        # This upstream rejects stream_options: ask again without it, and remember.
+                        # This upstream rejects stream_options: the forwarder asks again without it
+                        # (a new attempt, with its own deadline), and infertap remembers.
                         self.no_stream_options.add(up.name)
                         ex.usage_injected = False
                         call.body = call.original_body
                         resp.release()
                         resp = None
-                        ex.attempts -= 1
-                        return await self.run(call, up, last)
+                        return Failure(
+                            ErrorKind.STREAM_OPTIONS,
+                            400,
+                            f"upstream '{up.name}' rejects stream_options: asking again without it",
+                        )
                     ready = Ready(resp, _empty(), prefetched=content)
                     return ready
                 chunks = resp.content.iter_any()

@@ -28,11 +28,13 @@ from proxy.observer import ObserverSet
 from proxy.relay import relay_body, relay_sse, response_headers, stamp_outputs, status_outcome, take_facts
 from proxy.request import (
     COMPLETION_ROUTES,
-    DROP_REQUEST,
     JSON_ROUTES,
+    PathRejected,
     RequestIds,
     RequestRejected,
+    forwarded_headers,
     parse_request,
+    passthrough_suffix,
     prompt_chars,
 )
 from proxy.sse import StreamFacts, error_event
@@ -90,6 +92,14 @@ class Forwarder:
             if key == b"traceparent" or key == b"tracestate":
                 ex.trace_context[key.decode()] = value.decode("latin-1")
         rid = [(b"x-request-id", ex.request_id.encode())]
+        if route == "other":
+            try:
+                suffix = passthrough_suffix(scope)
+            except PathRejected as e:
+                await self._reject(send, ex, rid, 400, f"{e}: {scope['path']!r}", "invalid_path")
+                return
+        else:
+            suffix = scope["path"][3:]  # one of the known routes, matched exactly
         if self.max_concurrency and self.active >= self.max_concurrency:
             await self._reject(
                 send,
@@ -98,9 +108,21 @@ class Forwarder:
                 429,
                 f"infertap is at its limit of {self.max_concurrency} concurrent requests: retry shortly",
                 "too_many_requests",
+                kind=Outcome.RATE_LIMITED.value,
                 extra=[(b"retry-after", b"1")],
             )
             return
+        # Counted from here, before the body is read: a slow upload holds its place under the cap.
+        self.active += 1
+        try:
+            await self._intake(scope, receive, send, ex, rid, suffix)
+        finally:
+            self.active -= 1
+
+    async def _intake(
+        self, scope: Scope, receive: Receive, send: Send, ex: Exchange, rid: RawHeaders, suffix: str
+    ) -> None:
+        route = ex.route
         try:
             body = await read_body(receive, self.max_body_bytes)
         except ClientGone:
@@ -131,21 +153,11 @@ class Forwarder:
         ex.upstream_url = upstream.display_url
         if obj is not None and ex.stream and route in COMPLETION_ROUTES:
             body = self._maybe_inject_usage(ex, obj, upstream, body)
-        suffix = scope["path"][3:]
         if scope.get("query_string"):
             suffix += "?" + scope["query_string"].decode("latin-1")
-        headers = {}
-        for k, v in scope["headers"]:
-            name = k.decode("latin-1")
-            if name not in DROP_REQUEST:
-                headers[name] = v.decode("latin-1")
-        call = Call(ex, upstream, suffix, headers, body, parsed.body, rid)
+        call = Call(ex, upstream, suffix, forwarded_headers(scope), body, parsed.body, rid)
         self.observers.request_received(ex)
-        self.active += 1
-        try:
-            await self._guarded(receive, send, call)
-        finally:
-            self.active -= 1
+        await self._guarded(receive, send, call)
 
     async def _reject(
         self,
@@ -157,9 +169,10 @@ class Forwarder:
         code: str,
         param: str | None = None,
         extra: RawHeaders | None = None,
+        kind: str = "invalid_request_error",
     ) -> None:
         self.observers.request_received(ex)
-        await send_error(send, status, message, "invalid_request_error", code, rid + (extra or []), param)
+        await send_error(send, status, message, kind, code, rid + (extra or []), param)
         self._end(ex, Outcome.REJECTED, status, message)
 
     def _maybe_inject_usage(self, ex: Exchange, obj: dict[str, Any], up: Upstream, body: bytes) -> bytes:
@@ -219,6 +232,11 @@ class Forwarder:
                 await self._exchange(send, call, watcher)
         except TimeoutError:
             msg = f"the request took longer than the total timeout of {total} s"
+            if call.committed and not call.committed_sse:
+                # A plain body cut short would look complete, and an error event appended to it
+                # would corrupt it: the connection is aborted (the app returns unfinished).
+                self._end(ex, Outcome.TOTAL_TIMEOUT, 504, msg)
+                return
             if call.committed:
                 watcher.cancel()
                 await send(
@@ -262,7 +280,7 @@ class Forwarder:
             async with asyncio.timeout(1.0):  # a client that does not read cannot hold the exit
                 if not call.committed:
                     await send_error(send, 503, msg, outcome.value, "shutting_down", call.rid)
-                elif call.sse:
+                elif call.committed_sse:
                     await send(
                         {
                             "type": "http.response.body",
@@ -291,7 +309,9 @@ class Forwarder:
         failure: Failure | None = None
         for i, up in enumerate(usable):
             policy = up.retry
-            for attempt in range(1, policy.max_attempts + 1):
+            attempt = 0
+            while attempt < policy.max_attempts:
+                attempt += 1
                 permit = PANIC if panic else up.breaker.acquire(time.monotonic())
                 if permit is None:
                     break  # opened meanwhile, or another request is its probe: on to the fallback
@@ -311,6 +331,12 @@ class Forwarder:
                     await self._commit(send, call, result, watcher)
                     return
                 failure = result
+                if failure.kind is ErrorKind.STREAM_OPTIONS:
+                    # infertap's own addition failed, not the upstream: at once, and off the budget
+                    # (it happens once per request: the body no longer has it).
+                    attempt -= 1
+                    await self._backoff(ex, failure.kind.value, 0.0)
+                    continue
                 if last:
                     break
                 if attempt < policy.max_attempts:
@@ -368,7 +394,7 @@ class Forwarder:
         read_all = False
         try:
             call.committed = True
-            call.sse = is_sse
+            call.committed_sse = is_sse
             await send(
                 {
                     "type": "http.response.start",

@@ -13,12 +13,15 @@ from proxy.observer import ObserverSet
 from proxy.request import DROP_RESPONSE, MAX_JSON_CAPTURE
 from proxy.sse import SSEScanner, StreamFacts, absorb_response, usage_tokens
 
+# Set on every stream below: the upstream's own copies would be sent twice (sse-starlette sends one).
+_SSE_OWN = frozenset({b"cache-control", b"x-accel-buffering"})
+
 
 def response_headers(raw: Iterable[tuple[bytes, bytes]], is_sse: bool, rid: RawHeaders) -> RawHeaders:
     headers: RawHeaders = []
     for k, v in raw:
         name = k.lower()
-        if name in DROP_RESPONSE or (is_sse and name == b"cache-control"):
+        if name in DROP_RESPONSE or (is_sse and name in _SSE_OWN):
             continue
         headers.append((name, v))
     if is_sse:

@@ -8,7 +8,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import orjson
 
@@ -52,6 +52,63 @@ DROP_RESPONSE = frozenset(
 )
 MAX_REQUEST_ID = 128
 MAX_JSON_CAPTURE = 8 * 1024 * 1024
+
+
+class PathRejected(Exception):
+    """A passthrough path that could leave the upstream's base path."""
+
+
+def passthrough_suffix(scope: Scope) -> str:
+    """The path after `/v1` of a passthrough request, as the client sent it (percent-encoding kept,
+    so a `%2F` inside a model id stays one path segment upstream).
+
+    Raises PathRejected for a path with a `.` or `..` segment, plain or percent-encoded (also
+    behind `\\`, which some servers treat as `/`): once normalized, by the HTTP client or by
+    the upstream, it could leave the upstream's base path with the upstream's key attached.
+    """
+    raw: bytes | None = scope.get("raw_path")
+    path = raw.decode("latin-1") if raw else scope["path"]
+    if not path.startswith("/v1/"):
+        raise PathRejected("the path must start with /v1/ as sent, not percent-encoded")
+    suffix = path[3:]
+    # A dot segment needs "/." once decoded: only a path with "/.", "%" or "\\" needs the slow look.
+    if "/." in suffix or "%" in suffix or "\\" in suffix:
+        decoded = suffix
+        for _ in range(3):  # double (and triple) encoding: a server that decodes twice sees this
+            decoded = unquote(decoded, "latin-1").replace("\\", "/")
+            if any(seg in (".", "..") for seg in decoded.split("/")):
+                raise PathRejected("the path has a '.' or '..' segment (plain or percent-encoded)")
+            if "%" not in decoded:
+                break
+    return suffix
+
+
+def forwarded_headers(scope: Scope) -> dict[str, str]:
+    """The client's headers as they go upstream: no credentials, no hop-by-hop headers (also none
+    that the client names in `Connection`), and X-Forwarded-For with the client's address appended."""
+    headers: dict[str, str] = {}
+    hop: list[str] = []
+    forwarded_for: list[str] = []
+    for k, v in scope["headers"]:
+        name = k.decode("latin-1")
+        if name in DROP_REQUEST:
+            if name == "connection":
+                hop.extend(t.strip().lower() for t in v.decode("latin-1").split(","))
+        elif name == "x-forwarded-for":
+            forwarded_for.append(v.decode("latin-1"))
+        else:
+            headers[name] = v.decode("latin-1")
+    if hop:
+        for name in hop:
+            headers.pop(name, None)
+        if "x-forwarded-for" in hop:
+            forwarded_for.clear()
+    client = scope.get("client")
+    if client:
+        forwarded_for.append(str(client[0]))
+    if forwarded_for:
+        headers["x-forwarded-for"] = ", ".join(forwarded_for)
+    return headers
 
 
 def display_url(url: str) -> str:

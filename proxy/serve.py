@@ -15,14 +15,17 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 import uvicorn
+from pydantic import ValidationError
 from uvicorn.supervisors import Multiprocess
 
 from proxy import __version__
 from proxy.settings import (
     TAOTOKEN_BASE_URL,
     ConfigError,
+    ServerSettings,
     Settings,
     UpstreamSettings,
     load_settings,
@@ -76,23 +79,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Flags that set a [server] field; validated like the file, and errors name the flag.
+_SERVER_FLAGS = {"host": "--host", "port": "--port", "workers": "--workers", "log_level": "--log-level"}
+
+
+def _server_flags(settings: Settings, args: argparse.Namespace) -> None:
+    changes = {f: getattr(args, f) for f in _SERVER_FLAGS if getattr(args, f) is not None}
+    if not changes:
+        return
+    try:
+        settings.server = ServerSettings.model_validate({**settings.server.model_dump(), **changes})
+    except ValidationError as e:
+        err = e.errors()[0]
+        flag = _SERVER_FLAGS.get(str(err["loc"][0]), str(err["loc"][0]))
+        raise ConfigError(f"{flag} {err['input']}: {err['msg']}") from None
+
+
+def _upstream_flags(values: list[str]) -> list[UpstreamSettings]:
+    """Bare URLs on one host would share its name: those take host:port (then a number) instead."""
+    ups = [parse_upstream_flag(v) for v in values]
+    taken: set[str] = set()
+    for up, value in zip(ups, values, strict=True):
+        if up.name in taken and "=" not in value.split("://", 1)[0]:
+            parts = urlsplit(up.base_url)
+            name = f"{up.name}:{parts.port}" if parts.port else up.name
+            n = 2
+            while name in taken:
+                name, n = f"{up.name}-{n}", n + 1
+            up.name = name
+        taken.add(up.name)
+    return ups
+
+
 def resolve_settings(args: argparse.Namespace) -> Settings:
     settings = load_settings(args.config)
-    if args.host is not None:
-        settings.server.host = args.host
-    if args.port is not None:
-        settings.server.port = args.port
-    if args.workers is not None:
-        if args.workers < 1:
-            raise ConfigError("--workers must be at least 1")
-        settings.server.workers = args.workers
-    if args.log_level is not None:
-        settings.server.log_level = args.log_level
+    _server_flags(settings, args)
     if args.upstream:
-        ups = [parse_upstream_flag(v) for v in args.upstream]
-        settings = Settings.model_validate(
-            {**settings.model_dump(), "upstreams": [u.model_dump() for u in ups]}
-        )
+        settings = with_upstreams(settings, _upstream_flags(args.upstream))
     if not settings.upstreams and os.environ.get("TAOTOKEN_API_KEY"):
         base = os.environ.get("TAOTOKEN_BASE_URL") or TAOTOKEN_BASE_URL
         settings.upstreams = [

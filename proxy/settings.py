@@ -5,8 +5,11 @@ Keys never live here: an upstream names the environment variable that holds its 
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Self
 from urllib.parse import urlsplit
@@ -24,6 +27,7 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     TomlConfigSettingsSource,
 )
 
@@ -320,6 +324,37 @@ def _format_validation(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+_ENV_PREFIX = "INFERTAP_"
+
+
+def _env_problems(environ: Mapping[str, str]) -> list[str]:
+    """INFERTAP_SECTION__KEY variables whose section does not exist. pydantic-settings ignores them
+    (it only looks up the fields it has), so a typo would silently leave the default in place."""
+    sections = {name.upper() for name in Settings.model_fields}
+    lines = []
+    for var in sorted(environ):
+        upper = var.upper()
+        if not upper.startswith(_ENV_PREFIX) or "__" not in upper:
+            continue
+        section, _, rest = upper[len(_ENV_PREFIX) :].partition("__")
+        if section in sections:
+            continue
+        close = difflib.get_close_matches(section, sections, n=1)
+        hint = f"; did you mean {_ENV_PREFIX}{close[0]}__{rest}?" if close else ""
+        lines.append(f"  {var}: unknown field (check its spelling and section){hint}")
+    return lines
+
+
+def _settings_error(err: SettingsError) -> str:
+    """pydantic-settings' own errors (a variable that is not valid JSON, say), worded for a person."""
+    found = re.search(r'field "(\w+)" from source "(\w+)"', str(err))
+    cause = f": {err.__cause__}" if err.__cause__ is not None else ""
+    if found and found.group(2) == "EnvSettingsSource":
+        var = f"{_ENV_PREFIX}{found.group(1).upper()}"
+        return f"invalid configuration (environment): {var} is not valid JSON{cause}"
+    return f"invalid configuration: {err}{cause}"
+
+
 def load_settings(config: str | os.PathLike[str] | None = None, **overrides: Any) -> Settings:
     """Load settings from `config` (or $INFERTAP_CONFIG), the environment and `overrides`.
 
@@ -337,11 +372,16 @@ def load_settings(config: str | os.PathLike[str] | None = None, **overrides: Any
                 tomllib.load(fh)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p} is not valid TOML: {e}") from None
+    problems = _env_problems(os.environ)
+    if problems:
+        raise ConfigError("\n".join(["invalid configuration (environment):", *problems]))
     bound = type("Settings", (Settings,), {"model_config": {**Settings.model_config, "toml_file": path}})
     try:
         settings: Settings = bound(**overrides)
     except ValidationError as e:
         raise ConfigError(_format_validation(e, source)) from None
+    except SettingsError as e:
+        raise ConfigError(_settings_error(e)) from None
     return settings
 
 

@@ -6,6 +6,7 @@ import fnmatch
 import random
 from dataclasses import dataclass, field
 from enum import StrEnum
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -25,6 +26,9 @@ class ErrorKind(StrEnum):
     READ_ERROR = "stream_interrupted"
     UPSTREAM_429 = "rate_limited"
     UPSTREAM_5XX = "upstream_error"
+    # The upstream rejected the stream_options infertap added: asked again at once without it (a
+    # retry reason only, never a request's outcome).
+    STREAM_OPTIONS = "stream_options_rejected"
 
 
 # Most specific first: aiohttp's exception classes form a hierarchy (its timeouts are also
@@ -88,9 +92,12 @@ class Upstream:
     breaker: Breaker
     fallback: list[str] = field(default_factory=list)
     display_url: str = ""  # base_url without user info or query: safe for logs and errors
+    # What looks wrong in this upstream's configuration: logged at start-up, shown on status routes.
+    config_warnings: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.display_url = display_url(self.base_url)
+        self.config_warnings = base_url_warnings(self.name, self.base_url)
 
     @classmethod
     def from_settings(cls, s: UpstreamSettings, settings: Settings) -> Upstream:
@@ -118,6 +125,19 @@ class Upstream:
 
     def matches(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
+
+
+def base_url_warnings(name: str, base_url: str) -> tuple[str, ...]:
+    """A base URL with no path at all is almost always a forgotten /v1: vLLM, SGLang, llama.cpp and
+    OpenAI itself answer under it, and requests would otherwise go to HOST/chat/completions (404)."""
+    if urlsplit(base_url).path.strip("/"):
+        return ()
+    url = display_url(base_url).rstrip("/")
+    return (
+        f"upstream '{name}': base_url {url} has no path, but OpenAI-compatible servers answer under "
+        f"/v1 (requests would go to {url}/chat/completions). If yours does too, write {url}/v1: "
+        f"--upstream {name}={url}/v1, or base_url = \"{url}/v1\" in [[upstreams]].",
+    )
 
 
 class Router:

@@ -35,6 +35,7 @@ def serve_in_thread(app: Any) -> Iterator[str]:
         loop="asyncio",
         http="httptools",
         access_log=False,
+        proxy_headers=False,  # as `infertap serve` runs it: the client address is the peer's
         timeout_graceful_shutdown=2,
     )
     server = uvicorn.Server(config)

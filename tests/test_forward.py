@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from proxy.exchange import Exchange
 from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import RecordingObserver, make_settings, run_proxy, wait_until
 
@@ -38,7 +39,8 @@ def test_stream_bytes_reach_the_client_unchanged(fake: tuple[FakeUpstream, str])
             assert r.status_code == 200
             assert r.headers["content-type"].startswith("text/event-stream")
             assert r.headers["cache-control"] == "no-cache"
-            assert r.headers["x-accel-buffering"] == "no"
+            # Once, though the upstream sends its own too.
+            assert r.headers.get_list("x-accel-buffering") == ["no"]
             assert r.headers["x-request-id"] == "bytes-1"
             received = b"".join(r.iter_raw())
         ex = rec.wait_terminal("bytes-1")
@@ -252,7 +254,8 @@ def test_upstream_key_reaches_upstream_and_nowhere_else(
     settings.retry.max_attempts = 1
     caplog.set_level(logging.DEBUG)
     seen: list[bytes] = []
-    with run_proxy(settings) as proxy, httpx.Client() as c:
+    rec = _ReprObserver()
+    with run_proxy(settings, rec) as proxy, httpx.Client() as c:
         auth = {"authorization": "Bearer sk-client-own"}
         for extra in ({}, {"x-fake-status": "500"}, {"x-fake-cut": "1"}):
             r = c.post(
@@ -268,6 +271,21 @@ def test_upstream_key_reaches_upstream_and_nowhere_else(
     assert all(secret.encode() not in s for s in seen)
     assert secret not in caplog.text
     assert "sk-client-own" not in json.dumps([r.headers for r in upstream.requests])
+    # Nothing an observer receives holds the key: one careless log call would print it.
+    assert len(rec.reprs) > 20 and not any(secret in r for r in rec.reprs)
+
+
+class _ReprObserver(RecordingObserver):
+    """Takes repr() of the Exchange at every hook, as a careless log call would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reprs: list[str] = []
+
+    def _rec(self, hook: str, ex: Exchange) -> None:
+        super()._rec(hook, ex)
+        with self.lock:
+            self.reprs.append(repr(ex) + repr(ex.upstream_headers) + repr(ex.scratch))
 
 
 def test_models_union_marks_upstreams_and_skips_dead_ones(fake: tuple[FakeUpstream, str]) -> None:
@@ -326,3 +344,27 @@ def test_routing_by_model_glob_and_passthrough(fake: tuple[FakeUpstream, str]) -
         assert rec.exchanges["r1"].upstream == "b" and rec.exchanges["r2"].upstream == "a"
         assert emb.status_code == 200 and second.requests[-1].path == "/v1/embeddings"
         assert other.status_code == 200 and upstream.requests[-1].path == "/v1/models/fake-model"
+
+
+def test_every_response_carries_a_request_id(fake: tuple[FakeUpstream, str]) -> None:
+    _, url = fake
+    with run_proxy(make_settings(("fake", url))) as proxy, httpx.Client() as c:
+        answers = {
+            f"{method} {path}": c.request(method, proxy + path)
+            for method, path in [
+                ("GET", "/v1/models"),
+                ("GET", "/healthz"),
+                ("GET", "/readyz"),
+                ("GET", "/metrics"),
+                ("GET", "/ui"),
+                ("GET", "/ui/data"),
+                ("GET", "/nope"),
+                ("GET", "/v1/chat/completions"),
+                ("POST", "/v1/chat/completions"),
+            ]
+        }
+        missing = [what for what, r in answers.items() if not r.headers.get("x-request-id")]
+        assert missing == []
+        assert len({r.headers["x-request-id"] for r in answers.values()}) == len(answers)
+        given = c.get(f"{proxy}/healthz", headers={"x-request-id": "mine-1"})
+        assert given.headers.get_list("x-request-id") == ["mine-1"]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -127,6 +129,35 @@ def test_503_then_200_is_a_normal_answer(suite: tuple[FakeUpstream, str, Recordi
     assert outcomes(metrics) == {"ok": 1}
 
 
+def test_rejected_stream_options_are_dropped_in_an_ordinary_attempt(fake: tuple[FakeUpstream, str]) -> None:
+    upstream, url = fake
+    settings = fast(make_settings(("fake", url)), attempts=1)
+    # Each answer takes 1.5 s: within the TTFT timeout per attempt, not for both together.
+    settings.timeouts.ttft = 2.5
+    settings.timeouts.idle = 10
+    rec = RecordingObserver()
+    with run_proxy(settings, rec) as proxy:
+        script = {"x-fake-reject-stream-options": "1", "x-fake-delay-ms": "1500"}
+        r = post(proxy, STREAM, **script, **{"x-request-id": "so"})
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+        ex = rec.wait_terminal("so")
+        hooks = rec.hooks_for("so")
+        # Two attempts, each counted, each with its own span, TTFB and deadline; the retry budget of
+        # one attempt is not used up by infertap's own addition.
+        assert ex.outcome == "ok" and ex.attempts == 2 == len(upstream.requests)
+        assert hooks.count("attempt_started") == 2 and hooks.count("first_byte") == 2
+        assert hooks.count("retry") == 1
+        assert "stream_options" in upstream.requests[0].json()
+        assert "stream_options" not in upstream.requests[1].json()
+        text = scrape(proxy)
+        assert value(text, "infertap_upstream_attempts_total", upstream="fake") == 2
+        assert value(text, "infertap_retries_total", reason="stream_options_rejected") == 1
+        assert value(text, "infertap_time_to_first_byte_seconds_count") == 2
+        # Remembered: the next request goes without it at once.
+        assert post(proxy, STREAM, **script, **{"x-request-id": "so2"}).status_code == 200
+        assert rec.wait_terminal("so2").attempts == 1 and len(upstream.requests) == 3
+
+
 def test_400_is_not_retried(suite: tuple[FakeUpstream, str, RecordingObserver]) -> None:
     upstream, proxy, _ = suite
     r = post(proxy, CHAT, **{"x-fake-status": "400"})
@@ -157,6 +188,30 @@ def test_stall_after_first_token_ends_in_an_sse_error(
     text = scrape(proxy)
     assert value(text, "infertap_timeouts_total", phase="idle") == 1
     assert value(text, "infertap_in_flight_requests") == 0
+
+
+def test_total_timeout_mid_json_answer_aborts_the_connection(fake: tuple[FakeUpstream, str]) -> None:
+    upstream, url = fake
+    settings = fast(make_settings(("fake", url)))
+    settings.timeouts.idle = 30
+    settings.timeouts.total = 1.0
+    rec = RecordingObserver()
+    with run_proxy(settings, rec) as proxy:
+        # Half the JSON answer arrives, then nothing: the total timeout fires while relaying it.
+        with pytest.raises(httpx.RemoteProtocolError):
+            post(proxy, CHAT, **{"x-fake-hang": "mid-body", "x-request-id": "half"})
+        client = openai.OpenAI(base_url=f"{proxy}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.APIConnectionError):
+            client.chat.completions.create(
+                model="fake-model",
+                messages=CHAT["messages"],  # type: ignore[arg-type]
+                extra_headers={"x-fake-hang": "mid-body"},
+            )
+        client.close()
+        assert rec.wait_terminal("half").outcome == "total_timeout"
+        wait_until(lambda: value(scrape(proxy), "infertap_in_flight_requests") == 0)
+        assert outcomes(scrape(proxy)) == {"total_timeout": 2}
+    assert len(upstream.requests) == 2
 
 
 def test_cut_mid_stream_makes_the_sdk_raise(suite: tuple[FakeUpstream, str, RecordingObserver]) -> None:
@@ -267,6 +322,43 @@ def test_concurrency_cap_answers_429(fake: tuple[FakeUpstream, str]) -> None:
             hung.read()
         wait_until(lambda: value(scrape(proxy), "infertap_in_flight_requests") == 0)
         assert post(proxy, STREAM).status_code == 200
+
+
+def test_concurrency_cap_counts_a_request_while_its_body_arrives(fake: tuple[FakeUpstream, str]) -> None:
+    upstream, url = fake
+    settings = fast(make_settings(("fake", url)))
+    settings.server.max_concurrency = 1
+    with run_proxy(settings) as proxy:
+        host, port = proxy.removeprefix("http://").split(":")
+        body = json.dumps(STREAM).encode()
+        # A slow upload: headers and half the body, and the rest only after the second request.
+        with socket.create_connection((host, int(port)), timeout=10) as slow:
+            slow.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"x-request-id: slow-upload\r\ncontent-length: %d\r\n\r\n" % len(body) + body[:10]
+            )
+            # Probes with a broken body: 400 while the upload is not counted yet (nothing reaches the
+            # upstream either way), 429 once it is. On main it never was: the probes kept getting 400.
+            probes: list[httpx.Response] = []
+
+            def capped() -> bool:
+                probes.append(httpx.post(f"{proxy}/v1/chat/completions", content=b"{", timeout=10))
+                return probes[-1].status_code == 429
+
+            wait_until(capped, what="the slow upload to count against the cap")
+            second = probes[-1]
+            assert {p.status_code for p in probes[:-1]} <= {400}
+            assert second.headers["retry-after"] == "1"
+            err = second.json()["error"]
+            assert err["code"] == "too_many_requests" and err["type"] == "rate_limited"
+            slow.sendall(body[10:])
+            answer = b""
+            while not answer.endswith(b"0\r\n\r\n"):
+                piece = slow.recv(65536)
+                assert piece, "the slow upload's answer was cut"
+                answer += piece
+        assert answer.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in answer
+    assert len(upstream.requests) == 1
 
 
 @pytest.fixture

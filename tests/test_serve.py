@@ -6,6 +6,7 @@ import asyncio
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -150,3 +151,87 @@ def test_help_lists_commands_and_options() -> None:
     assert "serve" in top.stdout and "sim" in top.stdout
     serve = _serve("--help")
     assert serve.returncode == 0 and "--upstream" in serve.stdout and "TAOTOKEN_API_KEY" in serve.stdout
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("INFERTAP_", "TAOTOKEN_"))}
+    return {**env, **extra}
+
+
+def _one_clear_line(r: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert all(n in r.stderr for n in needles), r.stderr
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [("INFERTAP_UPSTREAMS", '[{"name": '), ("INFERTAP_SERVER", '{"port": ')],
+)
+def test_a_malformed_environment_variable_is_one_clear_line(var: str, value: str) -> None:
+    r = _serve(env=_clean_env(**{var: value}))
+    _one_clear_line(r, var, "not valid JSON")
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_misspelled_section_in_the_environment_is_reported_like_one_in_the_file() -> None:
+    r = _serve(env=_clean_env(INFERTAP_SEVER__PORT="9000"))
+    _one_clear_line(r, "INFERTAP_SEVER__PORT: unknown field", "INFERTAP_SERVER__PORT")
+
+
+def test_flags_are_validated_and_errors_name_the_flag() -> None:
+    closed = "http://127.0.0.1:9/v1"
+    _one_clear_line(_serve("--port", "99999", "--upstream", closed, env=_clean_env()), "--port 99999")
+    _one_clear_line(_serve("--workers", "0", "--upstream", closed, env=_clean_env()), "--workers 0")
+    r = _serve("--upstream", f"a={closed}", "--upstream", "a=http://127.0.0.1:10/v1", env=_clean_env())
+    _one_clear_line(r, "upstream names must be unique", "a")
+
+
+def test_two_bare_upstream_urls_on_one_host_get_distinct_names() -> None:
+    from proxy.serve import build_parser, resolve_settings
+
+    args = build_parser().parse_args(
+        ["--upstream", "http://127.0.0.1:8000/v1", "--upstream", "http://127.0.0.1:8001/v1"]
+    )
+    settings = resolve_settings(args)
+    assert [u.name for u in settings.upstreams] == ["127.0.0.1", "127.0.0.1:8001"]
+
+
+def test_sim_port_out_of_range_or_taken_is_one_clear_line() -> None:
+    def sim(port: int) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "proxy", "sim", "--port", str(port)]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+    r = sim(99999)
+    _one_clear_line(r, "--port", "99999")
+    assert len(r.stderr.strip().splitlines()) == 1
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = sim(taken.getsockname()[1])
+    _one_clear_line(r, "in use", "--port")
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_base_url_without_v1_gets_a_start_up_warning(tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    with serve_process("--upstream", "vllm=http://127.0.0.1:9", env=_clean_env(), log=log):
+        pass
+    text = log.read_text()
+    assert "WARNING" in text and "write http://127.0.0.1:9/v1" in text
+    assert "--upstream vllm=http://127.0.0.1:9/v1" in text
+
+    from proxy.settings import Settings, UpstreamSettings
+    from proxy.upstream import Router
+
+    router = Router.from_settings(
+        Settings(
+            upstreams=[
+                UpstreamSettings(name="bare", base_url="http://127.0.0.1:8000/"),
+                UpstreamSettings(name="ok", base_url="http://127.0.0.1:8000/v1"),
+                UpstreamSettings(name="taotoken", base_url="https://taotoken.net/api"),
+            ]
+        )
+    )
+    warned = {u.name: u.config_warnings for u in router.upstreams}
+    assert len(warned["bare"]) == 1 and warned["ok"] == () and warned["taotoken"] == ()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import socket
 import sys
 import threading
@@ -87,8 +88,24 @@ def _url_host(sock: socket.socket) -> str:
     return f"[{host}]" if sock.family == socket.AF_INET6 else host
 
 
-async def _serve(server: uvicorn.Server) -> None:
-    task = asyncio.create_task(server.serve())
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here rather than by uvicorn: a port that is taken or out of
+    range then gets one clear line instead of uvicorn's log and traceback."""
+    if not 0 <= port <= 65535:
+        raise OSError(f"--port must be between 0 and 65535, got {port}")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.create_server((host, port), family=family)
+    except OSError as e:
+        why = e.strerror or str(e)
+        if e.errno == errno.EADDRINUSE:
+            why = "the port is in use (choose another --port, or 0 for a free one)"
+        raise OSError(f"cannot listen on {host}:{port}: {why}") from None
+    return sock
+
+
+async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
+    task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():  # failed to bind: uvicorn has logged why
             await task
@@ -115,6 +132,11 @@ def main(argv: list[str]) -> int:
     except SimConfigError as e:
         print(f"infertap sim: {e}", file=sys.stderr)
         return 2
+    try:
+        sock = _listen(args.host, args.port)
+    except OSError as e:
+        print(f"infertap sim: {e}", file=sys.stderr)
+        return 2
     app = create_sim_app(config)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -129,7 +151,7 @@ def main(argv: list[str]) -> int:
     if args.exit_with_stdin:
         _exit_on_stdin_eof(server)
     try:
-        asyncio.run(_serve(server))
+        asyncio.run(_serve(server, sock))
     except SystemExit as e:  # uvicorn exits this way when it cannot bind
         return e.code if isinstance(e.code, int) else 1
     except KeyboardInterrupt:

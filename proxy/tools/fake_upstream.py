@@ -7,13 +7,16 @@ upstream behaviour while the same server instance records what it received and s
   x-fake-gap-ms: G          gap between content events
   x-fake-ttft-ms: T         delay before the first content event (the role chunk goes at once)
   x-fake-status: S          answer status S with an OpenAI-style error body
-  x-fake-hang: WHERE        never go on: before-headers | after-role | after-first
+  x-fake-hang: WHERE        never go on: before-headers | after-role | after-first | mid-body
+                            (mid-body: half of a whole JSON answer)
   x-fake-no-done: 1         end the stream without `data: [DONE]`
   x-fake-cut: K             drop the connection after K content events
   x-fake-fail-first: N      answer the first N requests of a request id with x-fake-fail-status
                             (default 503) and x-fake-retry-after, then behave normally
   x-fake-malformed: 1       content events carry broken JSON
   x-fake-event-bytes: B     each content event carries B bytes of text
+  x-fake-reject-stream-options: 1   answer 400 naming stream_options to a request that has it
+  x-fake-delay-ms: D        wait D ms before answering at all
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class Received:
     path: str
     headers: dict[str, str]
     body: bytes
+    raw_path: bytes = b""
 
     def json(self) -> Any:
         return json.loads(self.body)
@@ -80,7 +84,7 @@ class FakeUpstream:
             if not msg.get("more_body"):
                 break
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
-        rec = Received(scope["method"], scope["path"], headers, body)
+        rec = Received(scope["method"], scope["path"], headers, body, scope.get("raw_path") or b"")
         if headers.get("user-agent", "").endswith("upstream-check"):
             self.checks.append(rec)  # kept apart: tests count the requests that clients caused
         else:
@@ -112,6 +116,8 @@ class FakeUpstream:
         h = rec.headers
         if h.get("x-fake-hang") == "before-headers":
             await asyncio.Event().wait()
+        if "x-fake-delay-ms" in h:
+            await asyncio.sleep(float(h["x-fake-delay-ms"]) / 1000)
         status = int(h.get("x-fake-status", "200"))
         if "x-fake-fail-first" in h:
             rid = h.get("x-request-id", "")
@@ -141,6 +147,10 @@ class FakeUpstream:
             )
             return
         req = rec.json() if rec.body else {}
+        if h.get("x-fake-reject-stream-options") == "1" and "stream_options" in req:
+            msg = "stream_options is not supported by this server"
+            await _json(send, 400, {"error": {"message": msg, "type": "invalid_request_error"}})
+            return
         if rec.path.endswith("/embeddings"):
             await _json(
                 send,
@@ -156,24 +166,32 @@ class FakeUpstream:
         n = int(h.get("x-fake-events", "5"))
         model = req.get("model", "fake-model")
         if not req.get("stream"):
-            await _json(
-                send,
-                200,
-                {
-                    "id": "cmpl-fake",
-                    "object": "chat.completion",
-                    "created": 1700000000,
-                    "model": model,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": "tok " * n},
-                            "finish_reason": "stop",
-                        }
-                    ],
-                    "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n},
-                },
-            )
+            answer = {
+                "id": "cmpl-fake",
+                "object": "chat.completion",
+                "created": 1700000000,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "tok " * n},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n},
+            }
+            if h.get("x-fake-hang") == "mid-body":
+                data = json.dumps(answer).encode()
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [(b"content-type", b"application/json")],
+                    }
+                )
+                await send({"type": "http.response.body", "body": data[: len(data) // 2], "more_body": True})
+                await asyncio.Event().wait()
+            await _json(send, 200, answer)
             return
         await self._stream(rec, req, send, n, model)
 
@@ -201,7 +219,11 @@ class FakeUpstream:
             {
                 "type": "http.response.start",
                 "status": 200,
-                "headers": [(b"content-type", b"text/event-stream; charset=utf-8")],
+                # As sse-starlette (and so vLLM's and many servers' streams) sends it.
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"x-accel-buffering", b"no"),
+                ],
             }
         )
         await emit(_chunk("chatcmpl-fake", model, {"role": "assistant", "content": ""}, usage=usage))
