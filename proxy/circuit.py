@@ -117,7 +117,9 @@ class Breaker:
                 self.open_until = now + self.cooldown  # the probe failed: another cool-down
             return False
         calls, failures = self._count(now, ok)
-        if calls >= self.min_calls and failures >= self.failure_rate * calls:
+        # Only a failure can open it: a success that merely lands in a window already over the rate
+        # (because it brought the calls up to min_calls) would take a healthy upstream away.
+        if not ok and calls >= self.min_calls and failures >= self.failure_rate * calls:
             self.open_until = now + self.cooldown
             self.opened_at = now
             self.tripped = (failures, calls)

@@ -57,6 +57,16 @@ def test_rate_needs_min_calls_and_the_share() -> None:
     assert not b.is_open
 
 
+def test_a_success_never_opens_the_circuit() -> None:
+    """Found by the fault-sequence test: 1 success and 2 failures, then the success that made
+    min_calls (4) found the window at 50% and opened the circuit to an upstream that had answered."""
+    b = Breaker(0.5, 4, 5.0, 0.5)
+    b.record(CLOSED, True, 0.0)
+    b.record(CLOSED, False, 0.1, "ttft")
+    b.record(CLOSED, False, 0.2, "ttft")
+    assert not b.record(CLOSED, True, 0.3) and not b.is_open
+
+
 def test_window_forgets_old_failures() -> None:
     b = Breaker(0.5, 4, 10.0, 5.0)
     for _ in range(3):
