@@ -7,7 +7,7 @@ front of two scripted upstreams and one that refuses connections, with retries, 
 circuit breaker and every timeout on, with short values. After each example every invariant of
 issue 13 is checked; a failure shrinks to a minimal sequence, which becomes a regression test.
 
-CI runs INFERTAP_FAULT_EXAMPLES (default 15) examples; a long run sets it to thousands.
+CI runs INFERTAP_FAULT_EXAMPLES (default 40) examples; a long run sets it to thousands.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from tests.promtext import samples, scrape, value
 
 SECRET = "sk-fault-sequence-secret-4242"
 KEY_ENV = "INFERTAP_TEST_FAULT_KEY"
-EXAMPLES = int(os.environ.get("INFERTAP_FAULT_EXAMPLES", "15"))
+EXAMPLES = int(os.environ.get("INFERTAP_FAULT_EXAMPLES", "40"))
 DEAD = "http://127.0.0.1:9/v1"
 ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses"}
 MODELS = {"a": "a-model", "b": "b-model", "d": "d-model"}  # d: refused connections, falls back to a
