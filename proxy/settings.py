@@ -98,13 +98,7 @@ class CircuitSettings(_Section):
     probed again by one real request. Failures: connection problems, timeouts, 5xx (not 4xx or 429)."""
 
     failure_rate: float = Field(default=0.5, gt=0, le=1, description="share of failed attempts that opens")
-    min_calls: int = Field(
-        default=20,
-        ge=1,
-        # The name of the consecutive-failure count that this replaced: old configs keep working.
-        validation_alias=AliasChoices("min_calls", "failure_threshold"),
-        description="attempts in the window before the rate counts",
-    )
+    min_calls: int = Field(default=20, ge=1, description="attempts in the window before the rate counts")
     window_seconds: float = Field(default=30.0, gt=0, description="the sliding window the rate is over")
     cooldown_seconds: float = Field(default=30.0, gt=0, description="open this long, then one probe")
     when_all_open: str = Field(
@@ -112,6 +106,16 @@ class CircuitSettings(_Section):
         pattern=r"^(send|refuse)$",
         description="every candidate's circuit open: send anyway (panic mode) or answer 503",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_name(cls, data: Any) -> Any:
+        # `failure_threshold`, the consecutive-failure count this replaced, is read as min_calls so
+        # that old configs keep working (a re-validated dump may carry both: min_calls wins).
+        if isinstance(data, dict) and "failure_threshold" in data:
+            data = dict(data)
+            data.setdefault("min_calls", data.pop("failure_threshold"))
+        return data
 
 
 class AuthSettings(_Section):
