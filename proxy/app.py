@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,9 @@ from proxy import __version__
 from proxy.accesslog import AccessLog
 from proxy.asgi import Message, Receive, Scope, Send, error_body, header, send_error, send_json
 from proxy.auth import ANONYMOUS, ClientKeys, bearer_token, header_names
+from proxy.drain import Drain
 from proxy.forward import Forwarder
+from proxy.health import UpstreamChecker, probe_models
 from proxy.loops import LoopDetector
 from proxy.metrics import CollectorRegistry, Metrics
 from proxy.observer import Observer, ObserverSet
@@ -30,7 +33,7 @@ from proxy.settings import Settings
 from proxy.spend import SpendObserver
 from proxy.tracing import build_tracing
 from proxy.ui import UIObserver, UIRoutes
-from proxy.upstream import Router, Upstream, describe, make_client
+from proxy.upstream import Router, describe, make_client
 
 log = logging.getLogger("infertap.app")
 
@@ -45,16 +48,12 @@ _PROBE_TIMEOUT = aiohttp.ClientTimeout(total=3.0)
 
 
 @dataclass(slots=True)
-class _Probe:
-    status: int
-    body: bytes
-
-
-@dataclass(slots=True)
 class _Runtime:
     client: aiohttp.ClientSession
     router: Router
     forwarder: Forwarder
+    checker: UpstreamChecker
+    drain: Drain
 
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -74,6 +73,7 @@ class InfertapApp:
         self._plain: dict[tuple[str, str], Handler] = {
             ("GET", "/healthz"): self._healthz,
             ("GET", "/readyz"): self._readyz,
+            ("GET", "/status"): self._status,
             ("GET", "/v1/models"): self._models,
         }
         if metrics is not None:
@@ -93,8 +93,14 @@ class InfertapApp:
             self.settings.server.max_body_bytes,
             tuple(self.settings.metrics.prompt_class_bounds),
             self.settings.server.max_concurrency,
+            self.settings.circuit.when_all_open,
         )
-        self._runtime = _Runtime(client, router, forwarder)
+        s = self.settings.server
+        checker = UpstreamChecker(router, client, s.upstream_check_interval, s.upstream_check_timeout)
+        drain = Drain(s.drain_delay, s.drain_timeout, forwarder.shut_down)
+        self._runtime = _Runtime(client, router, forwarder, checker, drain)
+        drain.install()
+        checker.start()
         for up in router.upstreams:
             key = (
                 "no key"
@@ -109,8 +115,12 @@ class InfertapApp:
 
     async def shutdown(self) -> None:
         if self._runtime is not None:
-            await self._runtime.client.close()
-            self._runtime = None
+            try:
+                self._runtime.drain.close()
+                await self._runtime.checker.stop()
+            finally:
+                await self._runtime.client.close()
+                self._runtime = None
         self.observers.close()
 
     @property
@@ -185,7 +195,7 @@ class InfertapApp:
             self._stamped(scope, send),
             404,
             f"no route {method} {path}: infertap serves /v1/* (the OpenAI API), /healthz, /readyz, "
-            "/metrics and /ui",
+            "/status, /metrics and /ui",
             "invalid_request_error",
             "not_found",
         )
@@ -210,19 +220,25 @@ class InfertapApp:
     async def _healthz(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_json(send, 200, orjson.dumps({"status": "ok", "version": __version__}))
 
+    def _authorized(self, scope: Scope) -> bool:
+        return self.metrics_token is None or hmac.compare_digest(
+            (header(scope, b"authorization") or "").encode(), f"Bearer {self.metrics_token}".encode()
+        )
+
+    async def _unauthorized(self, send: Send, path: str) -> None:
+        await send_error(
+            send,
+            401,
+            f"{path} needs 'Authorization: Bearer <token>' (auth.metrics_token_env)",
+            "invalid_request_error",
+            "invalid_api_key",
+            [(b"www-authenticate", b"Bearer")],
+        )
+
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         assert self.metrics is not None
-        if self.metrics_token is not None and not hmac.compare_digest(
-            (header(scope, b"authorization") or "").encode(), f"Bearer {self.metrics_token}".encode()
-        ):
-            await send_error(
-                send,
-                401,
-                "/metrics needs 'Authorization: Bearer <token>' (auth.metrics_token_env)",
-                "invalid_request_error",
-                "invalid_api_key",
-                [(b"www-authenticate", b"Bearer")],
-            )
+        if not self._authorized(scope):
+            await self._unauthorized(send, "/metrics")
             return
         body, content_type = self.metrics.render(header(scope, b"accept"))
         await send(
@@ -237,38 +253,38 @@ class InfertapApp:
         )
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
-    async def _probe(self, up: Upstream) -> tuple[Upstream, _Probe | Exception]:
-        """GET the upstream's model list: (status, body), or why it could not be had."""
-        headers = dict(up.headers)
-        if up.api_key:
-            headers["authorization"] = f"Bearer {up.api_key}"
-        try:
-            async with self.runtime.client.get(
-                up.url("/models"), headers=headers, timeout=_PROBE_TIMEOUT
-            ) as r:
-                return up, _Probe(r.status, await r.read())
-        except (aiohttp.ClientError, TimeoutError) as e:
-            return up, e
+    def ready(self) -> tuple[bool, str]:
+        """From state the process has, so that a probe answers at once whatever the upstreams do."""
+        rt = self._runtime
+        if rt is None:
+            return False, "starting"
+        if rt.drain.draining:
+            return False, "draining: shutting down"
+        if self.settings.server.ready_needs_upstream:
+            now = time.monotonic()
+            if all(up.breaker.is_open and not up.breaker.available(now) for up in rt.router.upstreams):
+                return False, "every upstream's circuit is open"
+        return True, "ready"
 
     async def _readyz(self, scope: Scope, receive: Receive, send: Send) -> None:
-        results = await asyncio.gather(*(self._probe(u) for u in self.runtime.router.upstreams))
-        report: dict[str, str] = {}
-        for up, res in results:
-            report[up.name] = (
-                f"unreachable: {describe(res)}"
-                if isinstance(res, Exception)
-                else (f"reachable (HTTP {res.status})")
-            )
-        ready = any(not isinstance(res, Exception) for _, res in results)
-        body = {"status": "ready" if ready else "not ready", "upstreams": report}
-        await send_json(send, 200 if ready else 503, orjson.dumps(body))
+        ready, why = self.ready()
+        await send_json(send, 200 if ready else 503, orjson.dumps({"status": why}))
+
+    async def _status(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self._authorized(scope):
+            await self._unauthorized(send, "/status")
+            return
+        ready, _ = self.ready()
+        rt = self.runtime
+        await send_json(send, 200, orjson.dumps(rt.checker.status(rt.drain.draining, ready)))
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
-        results = await asyncio.gather(*(self._probe(u) for u in self.runtime.router.upstreams))
+        ups = self.runtime.router.upstreams
+        results = await asyncio.gather(*(probe_models(self.runtime.client, u, _PROBE_TIMEOUT) for u in ups))
         data: list[dict[str, Any]] = []
         seen: set[Any] = set()
         failures: list[str] = []
-        for up, res in results:
+        for up, res in zip(ups, results, strict=True):
             if isinstance(res, Exception) or res.status != 200:
                 why = describe(res) if isinstance(res, Exception) else f"HTTP {res.status}"
                 failures.append(f"{up.name}: {why}")

@@ -27,6 +27,7 @@ class Outcome(StrEnum):
     STREAM_INTERRUPTED = "stream_interrupted"
     CLIENT_DISCONNECT = "client_disconnect"
     REJECTED = "rejected"
+    SHUTDOWN = "shutdown"  # still open when the drain after SIGTERM ran out
 
 
 def prompt_class(tokens: int, bounds: tuple[int, ...] = (1024, 4096, 16384)) -> str:

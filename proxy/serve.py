@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +19,7 @@ from urllib.parse import urlsplit
 
 import uvicorn
 from pydantic import ValidationError
+from uvicorn.supervisors import Multiprocess
 
 from proxy import __version__
 from proxy.settings import (
@@ -192,7 +195,9 @@ def run(settings: Settings) -> None:
         # No X-Forwarded-* rewriting: infertap does not use the client address, and the middleware
         # is one more layer on every request.
         proxy_headers=False,
-        timeout_graceful_shutdown=5,
+        # The app's drain (proxy/drain.py) ends the requests still open at [server] drain_timeout,
+        # each with a visible error; uvicorn's own cancel is only the backstop behind it.
+        timeout_graceful_shutdown=math.ceil(s.drain_timeout) + 5,
     )
     if s.workers == 1:
         from proxy.app import create_app
@@ -212,7 +217,24 @@ def run(settings: Settings) -> None:
     os.environ[_SETTINGS_ENV] = settings.model_dump_json()
     with multiprocess_metrics() as path:
         log.info("%d workers; metrics aggregated through %s", s.workers, path)
-        uvicorn.run("proxy.serve:app_from_env", factory=True, workers=s.workers, **common)  # type: ignore[arg-type]
+        config = uvicorn.Config("proxy.serve:app_from_env", factory=True, workers=s.workers, **common)  # type: ignore[arg-type]
+        _Supervisor(config, sockets=[config.bind_socket()]).run()
+
+
+class _Supervisor(Multiprocess):
+    """uvicorn's worker supervisor, but SIGTERM reaches the workers at once: its own loop passes
+    signals on only every 0.5 s, and each worker's /readyz must fail the moment the pod is told to
+    go. (Its later SIGTERM to each worker is a repeat, which the drain ignores.)"""
+
+    def __init__(self, config: uvicorn.Config, sockets: list[socket.socket]) -> None:
+        super().__init__(config, sockets)
+        signal.signal(signal.SIGTERM, self._sigterm)
+
+    def _sigterm(self, signum: int, frame: object) -> None:
+        for process in self.processes:
+            if process.pid is not None and process.exitcode is None:
+                os.kill(process.pid, signal.SIGTERM)
+        self.signal_queue.append(signum)
 
 
 def _raise_fd_limit() -> None:
