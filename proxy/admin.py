@@ -6,7 +6,6 @@ and served only on [server] admin_port when that is set. Typed answers, document
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -16,7 +15,6 @@ from proxy.ops import ApiError, ErrorResponse, bearer_ok, the_app, unauthorized
 from proxy.reload import RELOADABLE
 from proxy.settings import ConfigError
 from proxy.ui.data import public_config
-from proxy.upstream import Breaker
 from proxy.upstream_stats import p50
 
 
@@ -45,10 +43,13 @@ router = APIRouter(
 
 
 class Circuit(BaseModel):
+    """The circuit breaker's state (proxy/circuit.py), as GET /status shows it."""
+
     state: str = Field(description="closed, open or half_open (one probe request decides)")
     why: str | None = Field(description="why it is open")
-    consecutive_failures: int
     retry_in_seconds: float = Field(description="until the next probe may go; 0 when closed")
+    window_calls: int = Field(description="attempts in the sliding window")
+    window_failures: int
 
 
 class LastFailure(BaseModel):
@@ -64,6 +65,9 @@ class UpstreamState(BaseModel):
     models: list[str]
     fallback: list[str]
     circuit: Circuit
+    reachable: bool | None = Field(description="the last background check's verdict; none before the first")
+    last_check: float | None = Field(description="unix seconds")
+    check_error: str | None
     in_flight: int
     requests: int = Field(description="requests that ended there since start")
     failures: int
@@ -85,22 +89,16 @@ class ReloadResult(BaseModel):
     restart_needed: list[str] = Field(description="sections that changed but run on until a restart")
 
 
-def _circuit(b: Breaker, now: float) -> Circuit:
-    if not b.is_open:
-        return Circuit(state="closed", why=None, consecutive_failures=b.failures, retry_in_seconds=0.0)
-    state = "half_open" if b.probing or now >= b.open_until else "open"
-    why = f"{b.failures} failures in a row (threshold {b.threshold})"
-    return Circuit(
-        state=state, why=why, consecutive_failures=b.failures, retry_in_seconds=max(0.0, b.open_until - now)
-    )
-
-
 @router.get("/upstreams", response_model=list[UpstreamState], summary="Each upstream's state")
 async def upstreams(request: Request) -> list[UpstreamState]:
     app = the_app(request)
-    now = time.monotonic()
+    rt = app.runtime
+    ready, _ = app.ready()
+    # The background checks' and the breakers' view, as GET /status has it; traffic from UpstreamStats.
+    status = {row["name"]: row for row in rt.checker.status(rt.drain.draining, ready)["upstreams"]}
     rows = []
     for up in app.routing.upstreams:
+        s = status[up.name]
         t = app.stats.traffic(up.name)
         fail = t.last_failure
         rows.append(
@@ -110,7 +108,10 @@ async def upstreams(request: Request) -> list[UpstreamState]:
                 default=up is app.routing.default,
                 models=up.models,
                 fallback=up.fallback,
-                circuit=_circuit(up.breaker, now),
+                circuit=Circuit.model_validate(s["circuit"]),
+                reachable=s["reachable"],
+                last_check=s["last_check"],
+                check_error=s["check_error"],
                 in_flight=t.in_flight,
                 requests=t.requests,
                 failures=t.failures,

@@ -22,7 +22,9 @@ from proxy import __version__, admin, ops
 from proxy.accesslog import AccessLog
 from proxy.asgi import Message, Receive, Scope, Send, header, send_error
 from proxy.auth import ANONYMOUS
+from proxy.drain import Drain
 from proxy.forward import Forwarder
+from proxy.health import UpstreamChecker
 from proxy.loops import LoopDetector
 from proxy.metrics import CollectorRegistry, Metrics
 from proxy.observer import Observer, ObserverSet
@@ -45,6 +47,8 @@ log = logging.getLogger("infertap.app")
 class _Runtime:
     client: UpstreamClient
     forwarder: Forwarder
+    checker: UpstreamChecker
+    drain: Drain
 
 
 @asynccontextmanager
@@ -115,20 +119,42 @@ class InfertapApp(FastAPI):
             s.max_body_bytes,
             tuple(self.settings.metrics.prompt_class_bounds),
             s.max_concurrency,
+            self.settings.circuit.when_all_open,
         )
+        checker = UpstreamChecker(router, client, s.upstream_check_interval, s.upstream_check_timeout)
+        drain = Drain(s.drain_delay, s.drain_timeout, forwarder.shut_down)
         self._routing = router
-        self._runtime = _Runtime(client, forwarder)
+        self._runtime = _Runtime(client, forwarder, checker, drain)
+        drain.install()
+        checker.start()
         if self.reloader is not None:
             self.reloader.install()
         self._log_upstreams(router)
 
     async def shutdown(self) -> None:
         if self._runtime is not None:
-            if self.reloader is not None:
-                self.reloader.uninstall()
-            await self._runtime.client.close()
-            self._runtime = None
+            try:
+                if self.reloader is not None:
+                    self.reloader.uninstall()
+                self._runtime.drain.close()
+                await self._runtime.checker.stop()
+            finally:
+                await self._runtime.client.close()
+                self._runtime = None
         self.observers.close()
+
+    def ready(self) -> tuple[bool, str]:
+        """From state the process has, so that a probe answers at once whatever the upstreams do."""
+        rt = self._runtime
+        if rt is None or self._routing is None:
+            return False, "starting"
+        if rt.drain.draining:
+            return False, "draining: shutting down"
+        if self.settings.server.ready_needs_upstream:
+            now = time.monotonic()
+            if all(up.breaker.is_open and not up.breaker.available(now) for up in self._routing.upstreams):
+                return False, "every upstream's circuit is open"
+        return True, "ready"
 
     @staticmethod
     def _log_upstreams(router: Router) -> None:
@@ -160,7 +186,10 @@ class InfertapApp(FastAPI):
 
     def swap(self, settings: Settings, access: Access, router: Router) -> None:
         self.settings, self.access, self._routing = settings, access, router
-        self.runtime.forwarder.router = router
+        rt = self.runtime
+        rt.forwarder.router = router
+        rt.forwarder.panic = settings.circuit.when_all_open == "send"
+        rt.checker.router = router
         self.reloaded_at = time.time()
         self._log_upstreams(router)
 

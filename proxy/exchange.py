@@ -27,6 +27,7 @@ class Outcome(StrEnum):
     STREAM_INTERRUPTED = "stream_interrupted"
     CLIENT_DISCONNECT = "client_disconnect"
     REJECTED = "rejected"
+    SHUTDOWN = "shutdown"  # still open when the drain after SIGTERM ran out
 
 
 # Written once: the metrics settings' default and the forwarder's take it from here.

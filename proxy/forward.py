@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+from typing import Any
 
 from proxy.asgi import BodyTooLarge, ClientGone, RawHeaders, Receive, Scope, Send, read_body, send_error
 from proxy.attempt import Attempter, Call, Failure, Ready
+from proxy.circuit import PANIC, Permit
 from proxy.errors import ERRORS, ErrorKind, describe, outcome_of
 from proxy.exchange import DEFAULT_PROMPT_CLASS_BOUNDS, Exchange, Outcome
 from proxy.observer import ObserverSet
@@ -48,6 +51,7 @@ class Forwarder:
         max_body_bytes: int,
         prompt_class_bounds: tuple[int, ...] = DEFAULT_PROMPT_CLASS_BOUNDS,
         max_concurrency: int = 0,
+        when_all_open: str = "send",
     ) -> None:
         self.router = router
         self.attempter = Attempter(client, observers)
@@ -57,6 +61,16 @@ class Forwarder:
         self.max_concurrency = max_concurrency
         self.active = 0
         self.request_id = RequestIds()
+        self.panic = when_all_open == "send"
+        # Request tasks, so that the end of a drain can end them with a visible error.
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.shutting_down = False
+
+    def shut_down(self) -> None:
+        """The drain's deadline: every request still open ends now, each with a visible error."""
+        self.shutting_down = True
+        for task in list(self.tasks):
+            task.cancel()
 
     # -- request intake ---------------------------------------------------------------------
     async def handle(self, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
@@ -188,6 +202,7 @@ class Forwarder:
         ex = call.ex
         watcher = asyncio.create_task(watch())
         total = call.upstream.total_timeout
+        self.tasks.add(task)
         try:
             async with asyncio.timeout(
                 None if total is None else total - (time.perf_counter() - ex.received_at)
@@ -219,8 +234,16 @@ class Forwarder:
             self._end(ex, outcome, status, msg)
         except asyncio.CancelledError:
             if not gone:
-                self._end(ex, Outcome.CLIENT_DISCONNECT, error="infertap is shutting down")
-                raise
+                # Shutting down: infertap's drain deadline (then the request ends here), or the
+                # server's own last-resort cancel (then the cancellation goes on up).
+                ours = self.shutting_down
+                if ours:
+                    task.uncancel()
+                watcher.cancel()
+                await self._shutdown_end(send, call)
+                if not ours:
+                    raise
+                return
             task.uncancel()
             self._end(ex, Outcome.CLIENT_DISCONNECT, 499, "the client disconnected")
         except Exception as e:
@@ -229,41 +252,68 @@ class Forwarder:
             raise
         finally:
             watcher.cancel()
+            self.tasks.discard(task)
+
+    async def _shutdown_end(self, send: Send, call: Call) -> None:
+        """A request cut by shutdown: an SSE error event, a 503 before commit, or (a plain body that
+        cannot be finished) an aborted connection. Never a silent clean end."""
+        msg = "infertap is shutting down: the drain time ran out before this request finished; retry it"
+        outcome = Outcome.SHUTDOWN
+        try:
+            async with asyncio.timeout(1.0):  # a client that does not read cannot hold the exit
+                if not call.committed:
+                    await send_error(send, 503, msg, outcome.value, "shutting_down", call.rid)
+                elif call.committed_sse:
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "more_body": False,
+                            "body": error_event(msg, outcome.value),
+                        }
+                    )
+        except (TimeoutError, OSError, RuntimeError):
+            pass
+        self._end(call.ex, outcome, 503, msg)
 
     # -- attempts, fallback, circuit --------------------------------------------------------
     async def _exchange(self, send: Send, call: Call, watcher: asyncio.Task[None]) -> None:
         ex = call.ex
+        plan = call.plan
         now = time.monotonic()
-        plan = [up for up in call.plan if up.breaker.allow(now)]
-        if not plan:
-            msg = (
-                f"upstream '{call.upstream.name}' is failing and its circuit is open; "
-                "infertap will probe it again after the cool-down"
-            )
-            await send_error(
-                send,
-                503,
-                msg,
-                Outcome.UPSTREAM_ERROR.value,
-                "circuit_open",
-                call.rid + [(b"retry-after", b"5")],
-            )
-            self._end(ex, Outcome.UPSTREAM_ERROR, 503, msg)
-            return
+        # Only asks: the permit is taken right before an attempt goes (a fallback the request
+        # never reaches must not hold its upstream's probe slot).
+        usable = [up for up in plan if up.breaker.available(now)]
+        panic = False
+        if not usable:
+            if not self.panic:
+                await self._circuit_open(send, call, plan)
+                return
+            usable, panic = list(plan), True  # no healthy alternative left: keep sending
         failure: Failure | None = None
-        for i, up in enumerate(plan):
+        for i, up in enumerate(usable):
             policy = up.retry
             attempt = 0
             while attempt < policy.max_attempts:
                 attempt += 1
-                last = i == len(plan) - 1 and attempt == policy.max_attempts
-                result = await self.attempter.run(call, up, last)
+                permit = PANIC if panic else up.breaker.acquire(time.monotonic())
+                if permit is None:
+                    break  # opened meanwhile, or another request is its probe: on to the fallback
+                last = i == len(usable) - 1 and attempt == policy.max_attempts
+                try:
+                    result = await self.attempter.run(call, up, last)
+                    if isinstance(result, Ready):
+                        status = result.resp.status
+                        self._health(
+                            ex, up, permit, status < 500, f"upstream '{up.name}' answered HTTP {status}"
+                        )
+                    else:
+                        self._health(ex, up, permit, not ERRORS[result.kind].unhealthy, result.message)
+                finally:
+                    up.breaker.release(permit)
                 if isinstance(result, Ready):
-                    self._health(ex, up, result.resp.status < 500)
                     await self._commit(send, call, result, watcher)
                     return
                 failure = result
-                self._health(ex, up, not ERRORS[failure.kind].unhealthy)
                 if failure.kind is ErrorKind.STREAM_OPTIONS:
                     # infertap's own addition failed, not the upstream: at once, and off the budget
                     # (it happens once per request: the body no longer has it).
@@ -277,18 +327,40 @@ class Forwarder:
                     await self._backoff(ex, failure.kind.value, min(wait, policy.max_backoff_seconds))
                 else:
                     await self._backoff(ex, failure.kind.value, 0.0)  # on to the fallback
-        assert failure is not None
+        if failure is None:
+            await self._circuit_open(send, call, plan)
+            return
         await send_error(
             send, failure.status, failure.message, failure.kind.value, failure.kind.value, call.rid
         )
         self._end(ex, outcome_of(failure.kind), failure.status, failure.message)
 
-    def _health(self, ex: Exchange, up: Upstream, ok: bool) -> None:
-        changed = up.breaker.success() if ok else up.breaker.failure(time.monotonic())
-        if changed:
-            state = "closed (upstream back)" if ok else "open (upstream skipped)"
-            log.warning("upstream %s: circuit %s", up.name, state)
-            self.observers.upstream_health(ex, up.name, ok)
+    async def _circuit_open(self, send: Send, call: Call, plan: list[Upstream]) -> None:
+        now = time.monotonic()
+        msg = "; ".join(f"upstream '{up.name}' is unavailable: {up.breaker.describe(now)}" for up in plan)
+        wait = min(up.breaker.retry_in(now) for up in plan)
+        await send_error(
+            send,
+            503,
+            msg,
+            Outcome.UPSTREAM_ERROR.value,
+            "circuit_open",
+            call.rid + [(b"retry-after", str(max(1, math.ceil(wait))).encode())],
+        )
+        self._end(call.ex, Outcome.UPSTREAM_ERROR, 503, msg)
+
+    def _health(self, ex: Exchange, up: Upstream, permit: Permit, ok: bool, cause: str) -> None:
+        if up.breaker.record(permit, ok, time.monotonic(), None if ok else cause):
+            now_up = not up.breaker.is_open
+            if now_up:
+                log.warning("upstream %s: circuit closed (the probe succeeded)", up.name)
+            else:
+                log.warning(
+                    "upstream %s: circuit open (upstream skipped): %s",
+                    up.name,
+                    up.breaker.describe(time.monotonic()),
+                )
+            self.observers.upstream_health(ex, up.name, now_up)
 
     async def _backoff(self, ex: Exchange, reason: str, delay: float) -> None:
         ex.retries += 1

@@ -21,7 +21,7 @@ from starlette.routing import Route
 from proxy import __version__
 from proxy.asgi import Receive, Scope, Send, error_body
 from proxy.errors import UpstreamError
-from proxy.upstream import Upstream
+from proxy.health import probe_models
 
 if TYPE_CHECKING:
     from proxy.app import InfertapApp
@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("infertap.app")
 
 PROBE_TIMEOUT = 3.0
-NOT_FOUND = "infertap serves /v1/* (the OpenAI API), /healthz, /readyz, /metrics, /ui, /docs and /admin/*"
+NOT_FOUND = (
+    "infertap serves /v1/* (the OpenAI API), /healthz, /readyz, /status, /metrics, /ui, /docs and /admin/*"
+)
 
 
 class ApiError(Exception):
@@ -66,8 +68,7 @@ class Health(BaseModel):
 
 
 class Ready(BaseModel):
-    status: str = Field(description="ready or not ready")
-    upstreams: dict[str, str] = Field(description="per upstream: reachable (HTTP status) or why not")
+    status: str = Field(description="ready, or why not (starting, draining, every circuit open)")
 
 
 class ModelList(BaseModel):
@@ -94,17 +95,6 @@ def unauthorized(path: str, setting: str) -> ApiError:
     )
 
 
-async def probe(app: InfertapApp, up: Upstream) -> tuple[int, bytes] | UpstreamError:
-    """GET the upstream's model list: (status, body), or why it could not be had (key-free)."""
-    headers = dict(up.headers)
-    if up.api_key:
-        headers["authorization"] = f"Bearer {up.api_key}"
-    try:
-        return await app.runtime.client.fetch(up.url("/models"), headers, PROBE_TIMEOUT)
-    except UpstreamError as e:
-        return e
-
-
 router = APIRouter(tags=["ops"])
 
 
@@ -116,20 +106,28 @@ async def healthz() -> Health:
 @router.get(
     "/readyz",
     response_model=Ready,
-    summary="Readiness: some upstream answers",
-    responses={503: {"model": Ready, "description": "no upstream answers"}},
+    summary="Readiness, from the process's own state: answers at once (not ready while draining)",
+    responses={
+        503: {"model": Ready, "description": "starting, draining, or (ready_needs_upstream) no upstream"}
+    },
 )
 async def readyz(request: Request) -> Response:
+    ready, why = the_app(request).ready()
+    return Response(orjson.dumps({"status": why}), 200 if ready else 503, media_type="application/json")
+
+
+@router.get(
+    "/status",
+    summary="Each upstream's reachability (background checks) and circuit (the metrics token)",
+    responses={401: {"model": ErrorResponse}},
+)
+async def status(request: Request) -> Response:
     app = the_app(request)
-    ups = app.routing.upstreams
-    results = await asyncio.gather(*(probe(app, u) for u in ups))
-    report = {
-        up.name: f"unreachable: {res}" if isinstance(res, UpstreamError) else f"reachable (HTTP {res[0]})"
-        for up, res in zip(ups, results, strict=True)
-    }
-    ready = any(not isinstance(res, UpstreamError) for res in results)
-    body = Ready(status="ready" if ready else "not ready", upstreams=report)
-    return Response(body.model_dump_json(), 200 if ready else 503, media_type="application/json")
+    if not bearer_ok(request, app.access.metrics_token):
+        raise unauthorized("/status", "auth.metrics_token_env")
+    ready, _ = app.ready()
+    rt = app.runtime
+    return Response(orjson.dumps(rt.checker.status(rt.drain.draining, ready)), media_type="application/json")
 
 
 @router.get(
@@ -157,16 +155,16 @@ async def metrics(request: Request) -> Response:
 async def models(request: Request) -> Response:
     app = the_app(request)
     ups = app.routing.upstreams
-    results = await asyncio.gather(*(probe(app, u) for u in ups))
+    results = await asyncio.gather(*(probe_models(app.runtime.client, u, PROBE_TIMEOUT) for u in ups))
     data: list[dict[str, Any]] = []
     seen: set[Any] = set()
     failures: list[str] = []
     for up, res in zip(ups, results, strict=True):
-        if isinstance(res, UpstreamError) or res[0] != 200:
-            failures.append(f"{up.name}: {res if isinstance(res, UpstreamError) else f'HTTP {res[0]}'}")
+        if isinstance(res, UpstreamError) or res.status != 200:
+            failures.append(f"{up.name}: {res if isinstance(res, UpstreamError) else f'HTTP {res.status}'}")
             continue
         try:
-            listed = orjson.loads(res[1]).get("data", [])
+            listed = orjson.loads(res.body).get("data", [])
         except (orjson.JSONDecodeError, AttributeError):
             failures.append(f"{up.name}: not an OpenAI model list")
             continue

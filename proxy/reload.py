@@ -88,6 +88,18 @@ class Target(Protocol):
     def stream_options_memory(self) -> set[str]: ...
 
 
+def merged(current: Settings, loaded: Settings) -> tuple[Settings, list[str], list[str]]:
+    """`current` with the reloadable sections of `loaded`; and which sections changed (applied,
+    and needing a restart)."""
+    if not loaded.upstreams:
+        # The running upstreams came from elsewhere (the embedded engine): they stay.
+        loaded = loaded.model_copy(update={"upstreams": current.upstreams})
+    changed = changed_sections(current, loaded)
+    applied = [name for name in changed if name in RELOADABLE]
+    restart = [name for name in changed if name not in RELOADABLE]
+    return current.model_copy(update={name: getattr(loaded, name) for name in RELOADABLE}), applied, restart
+
+
 class Reloader:
     def __init__(self, target: Target, load: Callable[[], Settings]) -> None:
         self.target = target
@@ -96,15 +108,7 @@ class Reloader:
 
     def reload(self) -> Applied:
         """Raises ConfigError (the field named) and changes nothing when the new file is bad."""
-        current = self.target.settings
-        loaded = self.load()
-        if not loaded.upstreams:
-            # The running upstreams came from elsewhere (the embedded engine): they stay.
-            loaded = loaded.model_copy(update={"upstreams": current.upstreams})
-        changed = changed_sections(current, loaded)
-        applied = [name for name in changed if name in RELOADABLE]
-        restart = [name for name in changed if name not in RELOADABLE]
-        settings = current.model_copy(update={name: getattr(loaded, name) for name in RELOADABLE})
+        settings, applied, restart = merged(self.target.settings, self.load())
         access = Access.from_settings(settings)
         try:
             router = Router.from_settings(settings)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -19,6 +20,7 @@ from urllib.parse import urlsplit
 
 import uvicorn
 from pydantic import ValidationError
+from uvicorn.supervisors import Multiprocess
 
 from proxy import __version__
 from proxy.settings import (
@@ -167,16 +169,16 @@ def app_from_env() -> InfertapApp:
     """uvicorn factory for worker processes: settings come resolved from the parent. A worker that
     uvicorn restarts (on SIGHUP to the supervisor) reads the file again."""
     from proxy.app import create_app
+    from proxy.reload import merged
 
     settings = Settings.model_validate_json(os.environ[_SETTINGS_ENV])
     reload = reloader(json.loads(os.environ[_ARGV_ENV])) if _ARGV_ENV in os.environ else None
-    app = create_app(settings, reload=reload)
-    if app.reloader is not None:
+    if reload is not None:
         try:
-            app.reloader.reload()
+            settings = merged(settings, reload())[0]
         except ConfigError as e:
             log.error("the configuration file was NOT reloaded (the one at start stays): %s", e)
-    return app
+    return create_app(settings, reload=reload)
 
 
 def _admin_socket(host: str, port: int) -> socket.socket:
@@ -227,7 +229,9 @@ def run(settings: Settings, argv: list[str] | None = None) -> None:
         # No X-Forwarded-* rewriting: infertap does not use the client address, and the middleware
         # is one more layer on every request.
         proxy_headers=False,
-        timeout_graceful_shutdown=5,
+        # The app's drain (proxy/drain.py) ends the requests still open at [server] drain_timeout,
+        # each with a visible error; uvicorn's own cancel is only the backstop behind it.
+        timeout_graceful_shutdown=math.ceil(s.drain_timeout) + 5,
     )
     if s.workers == 1:
         from proxy.app import create_app
@@ -253,14 +257,27 @@ def run(settings: Settings, argv: list[str] | None = None) -> None:
         os.environ[_ARGV_ENV] = json.dumps(argv)
     with multiprocess_metrics() as path:
         log.info("%d workers; metrics aggregated through %s", s.workers, path)
-        if not s.admin_port:
-            uvicorn.run("proxy.serve:app_from_env", factory=True, workers=s.workers, **common)  # type: ignore[arg-type]
-            return
-        from uvicorn.supervisors import Multiprocess
-
         config = uvicorn.Config("proxy.serve:app_from_env", factory=True, workers=s.workers, **common)  # type: ignore[arg-type]
-        sockets = [config.bind_socket(), _admin_socket(s.admin_host, s.admin_port)]
-        Multiprocess(config, sockets=sockets).run()
+        sockets = [config.bind_socket()]
+        if s.admin_port:
+            sockets.append(_admin_socket(s.admin_host, s.admin_port))
+        _Supervisor(config, sockets=sockets).run()
+
+
+class _Supervisor(Multiprocess):
+    """uvicorn's worker supervisor, but SIGTERM reaches the workers at once: its own loop passes
+    signals on only every 0.5 s, and each worker's /readyz must fail the moment the pod is told to
+    go. (Its later SIGTERM to each worker is a repeat, which the drain ignores.)"""
+
+    def __init__(self, config: uvicorn.Config, sockets: list[socket.socket]) -> None:
+        super().__init__(config, sockets)
+        signal.signal(signal.SIGTERM, self._sigterm)
+
+    def _sigterm(self, signum: int, frame: object) -> None:
+        for process in self.processes:
+            if process.pid is not None and process.exitcode is None:
+                os.kill(process.pid, signal.SIGTERM)
+        self.signal_queue.append(signum)
 
 
 def _raise_fd_limit() -> None:

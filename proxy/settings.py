@@ -55,6 +55,27 @@ class ServerSettings(_Section):
     max_body_bytes: int = Field(default=10 * 1024 * 1024, gt=0, description="larger bodies get 413")
     max_concurrency: int = Field(default=0, ge=0, description="requests at once per worker; 0 = no cap")
     log_level: str = "info"
+    drain_timeout: float = Field(
+        default=30.0, gt=0, description="after SIGTERM, how long streams in flight may take to finish"
+    )
+    drain_delay: float = Field(
+        default=2.0,
+        ge=0,
+        description="after SIGTERM, new requests are still served this long (load balancers catch up)",
+    )
+    ready_needs_upstream: bool = Field(
+        default=False, description="/readyz also needs one upstream whose circuit is not open"
+    )
+    upstream_check_interval: float = Field(
+        default=15.0, gt=0, description="seconds between background GET /models checks (GET /status)"
+    )
+    upstream_check_timeout: float = Field(default=2.0, gt=0, description="each background check's limit")
+
+    @model_validator(mode="after")
+    def _drain(self) -> Self:
+        if self.drain_delay > self.drain_timeout:
+            raise ValueError("drain_delay must not be longer than drain_timeout")
+        return self
 
 
 class TimeoutSettings(_Section):
@@ -81,11 +102,29 @@ class RetrySettings(_Section):
 
 
 class CircuitSettings(_Section):
-    """An upstream that fails this many times in a row is skipped for a cool-down, then probed
-    again by one real request."""
+    """An upstream whose attempts fail at `failure_rate` or more over the last `window_seconds`
+    (counted once it has seen `min_calls` attempts there) is skipped for `cooldown_seconds`, then
+    probed again by one real request. Failures: connection problems, timeouts, 5xx (not 4xx or 429)."""
 
-    failure_threshold: int = Field(default=5, ge=1)
-    cooldown_seconds: float = Field(default=30.0, gt=0)
+    failure_rate: float = Field(default=0.5, gt=0, le=1, description="share of failed attempts that opens")
+    min_calls: int = Field(default=20, ge=1, description="attempts in the window before the rate counts")
+    window_seconds: float = Field(default=30.0, gt=0, description="the sliding window the rate is over")
+    cooldown_seconds: float = Field(default=30.0, gt=0, description="open this long, then one probe")
+    when_all_open: str = Field(
+        default="send",
+        pattern=r"^(send|refuse)$",
+        description="every candidate's circuit open: send anyway (panic mode) or answer 503",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_name(cls, data: Any) -> Any:
+        # `failure_threshold`, the consecutive-failure count this replaced, is read as min_calls so
+        # that old configs keep working (a re-validated dump may carry both: min_calls wins).
+        if isinstance(data, dict) and "failure_threshold" in data:
+            data = dict(data)
+            data.setdefault("min_calls", data.pop("failure_threshold"))
+        return data
 
 
 class AuthSettings(_Section):

@@ -7,6 +7,7 @@ import random
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from proxy.circuit import Breaker
 from proxy.request import display_url
 from proxy.settings import RetrySettings, Settings, UpstreamSettings
 from proxy.upstream_client import Timeouts
@@ -28,49 +29,6 @@ class RetryPolicy:
         """Exponential with full jitter around the base: attempt 1 -> ~base, 2 -> ~2*base, ..."""
         base = self.backoff_seconds * (2 ** (attempt - 1))
         return float(min(self.max_backoff_seconds, base * random.uniform(0.5, 1.0)))
-
-
-class Breaker:
-    """Consecutive-failure circuit breaker: open for a cool-down, then one probe request decides."""
-
-    __slots__ = ("threshold", "cooldown", "failures", "open_until", "probing")
-
-    def __init__(self, threshold: int, cooldown: float) -> None:
-        self.threshold = threshold
-        self.cooldown = cooldown
-        self.failures = 0
-        self.open_until = 0.0
-        self.probing = False
-
-    @property
-    def is_open(self) -> bool:
-        return self.open_until > 0.0
-
-    def allow(self, now: float) -> bool:
-        if self.open_until == 0.0:
-            return True
-        if now < self.open_until or self.probing:
-            return False
-        self.probing = True  # half-open: this request is the probe
-        return True
-
-    def success(self) -> bool:
-        """Returns True when this closes an open circuit."""
-        was_open = self.is_open
-        self.failures = 0
-        self.open_until = 0.0
-        self.probing = False
-        return was_open
-
-    def failure(self, now: float) -> bool:
-        """Returns True when this opens a closed circuit."""
-        self.failures += 1
-        if self.probing or self.failures >= self.threshold:
-            was_open = self.is_open
-            self.open_until = now + self.cooldown
-            self.probing = False
-            return not was_open
-        return False
 
 
 @dataclass(slots=True)
@@ -109,7 +67,7 @@ class Upstream:
             t.ttft,
             t.total,
             RetryPolicy.from_settings(s.effective_retry(settings.retry)),
-            Breaker(settings.circuit.failure_threshold, settings.circuit.cooldown_seconds),
+            Breaker.from_settings(settings.circuit),
             list(s.fallback),
         )
 

@@ -133,7 +133,7 @@ def drill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Drill]:
         stack.callback(stop_all)
         sims, sim_procs = {}, {}
         for name in ("primary", "secondary"):
-            proc, url = start_sim(tmp / f"sim-{name}.log", "--tpot-ms", "5")
+            proc, url = start_sim(tmp / f"sim-{name}.log", "--tpot-ms", "5", "--model", MODEL)
             procs.append(proc)
             sims[name], sim_procs[name] = url, proc
         # The fixed lane (--tpot-ms) gives every request the prefill of its own prompt, load aside.

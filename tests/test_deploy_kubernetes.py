@@ -119,16 +119,9 @@ def drain_settings() -> dict[str, float]:
     }
 
 
-def test_config_toml_loads(tmp_path: Path) -> None:
+def test_config_toml_loads() -> None:
     settings_module = pytest.importorskip("proxy.settings")
     path = K8S / "config.toml"
-    # BEFORE-MERGE SHIM (issue 14 / 13b): [server] drain_delay and drain_timeout come with branch 13b's
-    # proxy/settings.py. Until it is merged the settings (extra="forbid") refuse them: load the file
-    # without them. Delete this block once ServerSettings has both fields.
-    if "drain_timeout" not in settings_module.ServerSettings.model_fields:
-        text = "\n".join(ln for ln in path.read_text().splitlines() if not ln.startswith("drain_"))
-        path = tmp_path / "config.toml"
-        path.write_text(text)
     settings = settings_module.load_settings(path)
     assert settings.server.host == "0.0.0.0" and settings.server.port == 8080
     assert any(u.api_key_env == "TAOTOKEN_API_KEY" for u in settings.upstreams)

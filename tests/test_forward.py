@@ -295,15 +295,31 @@ def test_models_union_marks_upstreams_and_skips_dead_ones(fake: tuple[FakeUpstre
         r = c.get(f"{proxy}/v1/models")
         ready = c.get(f"{proxy}/readyz")
         health = c.get(f"{proxy}/healthz")
+        wait_until(lambda: c.get(f"{proxy}/status").json()["upstreams"][1]["last_check"] is not None)
+        status = c.get(f"{proxy}/status").json()
     assert r.status_code == 200
     assert [(m["id"], m["upstream"]) for m in r.json()["data"]] == [("fake-model", "fake")]
-    assert ready.status_code == 200 and "unreachable" in ready.json()["upstreams"]["dead"]
-    assert health.status_code == 200
+    assert ready.status_code == 200 and health.status_code == 200
+    fake_row, dead_row = status["upstreams"]
+    assert fake_row["reachable"] is True and fake_row["circuit"]["state"] == "closed"
+    assert dead_row["reachable"] is False and "Cannot connect" in dead_row["check_error"]
 
 
-def test_readyz_fails_when_no_upstream_answers() -> None:
-    with run_proxy(make_settings(("dead", "http://127.0.0.1:9/v1"))) as proxy, httpx.Client() as c:
-        assert c.get(f"{proxy}/readyz").status_code == 503
+def test_readyz_answers_from_process_state() -> None:
+    """/readyz never waits on an upstream; with ready_needs_upstream it also needs one whose
+    circuit is not open."""
+    settings = make_settings(("dead", "http://127.0.0.1:9/v1"))
+    settings.retry.max_attempts = 1
+    settings.circuit.min_calls = 1
+    settings.circuit.cooldown_seconds = 600
+    with run_proxy(settings) as proxy, httpx.Client() as c:
+        assert c.get(f"{proxy}/readyz").status_code == 200  # a dead upstream is not this process's fault
+    settings.server.ready_needs_upstream = True
+    with run_proxy(settings) as proxy, httpx.Client() as c:
+        assert c.get(f"{proxy}/readyz").status_code == 200  # nothing known against it yet
+        assert c.post(f"{proxy}/v1/chat/completions", json=CHAT).status_code == 502  # opens its circuit
+        r = c.get(f"{proxy}/readyz")
+        assert r.status_code == 503 and "circuit" in r.json()["status"]
 
 
 def test_routing_by_model_glob_and_passthrough(fake: tuple[FakeUpstream, str]) -> None:

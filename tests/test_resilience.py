@@ -288,8 +288,9 @@ def test_fallback_to_a_healthy_upstream(fake: tuple[FakeUpstream, str]) -> None:
 def test_circuit_opens_then_probes_and_closes(fake: tuple[FakeUpstream, str]) -> None:
     upstream, url = fake
     settings = fast(make_settings(("fake", url)), attempts=1)
-    settings.circuit.failure_threshold = 2
-    settings.circuit.cooldown_seconds = 0.3
+    settings.circuit.min_calls = 2
+    settings.circuit.cooldown_seconds = 2
+    settings.circuit.when_all_open = "refuse"
     with run_proxy(settings) as proxy:
         for _ in range(2):
             assert post(proxy, CHAT, **{"x-fake-status": "500"}).status_code == 500
