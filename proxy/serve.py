@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from proxy.app import InfertapApp
 
 log = logging.getLogger("infertap")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 _SETTINGS_ENV = "INFERTAP_SETTINGS_JSON"  # hands resolved settings to worker processes
 _SIM_READY = "infertap-sim listening on "
@@ -153,11 +154,18 @@ def embedded_engine(settings: Settings) -> Iterator[str]:
             child.kill()
 
 
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+
+
 def app_from_env() -> InfertapApp:
     """uvicorn factory for worker processes: settings come resolved from the parent."""
     from proxy.app import create_app
 
     settings = Settings.model_validate_json(os.environ[_SETTINGS_ENV])
+    # A worker is a fresh (spawned) process: the parent's logging set-up does not reach it, and
+    # without this its infertap.* lines (the access log among them) would go nowhere.
+    configure_logging(settings.server.log_level)
     return create_app(settings)
 
 
@@ -263,9 +271,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
     _raise_fd_limit()
-    logging.basicConfig(
-        level=(args.log_level or "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level or "info")
     try:
         settings = resolve_settings(args)
         if settings.upstreams:
