@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from proxy.app import InfertapApp
 
 log = logging.getLogger("infertap")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 _SETTINGS_ENV = "INFERTAP_SETTINGS_JSON"  # hands resolved settings to worker processes
 _ARGV_ENV = "INFERTAP_SERVE_ARGV"  # and the command line, so that a worker can reload the file
@@ -165,6 +166,10 @@ def reloader(argv: list[str]) -> Callable[[], Settings]:
     return load
 
 
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+
+
 def app_from_env() -> InfertapApp:
     """uvicorn factory for worker processes: settings come resolved from the parent. A worker that
     uvicorn restarts (on SIGHUP to the supervisor) reads the file again."""
@@ -172,6 +177,9 @@ def app_from_env() -> InfertapApp:
     from proxy.reload import merged
 
     settings = Settings.model_validate_json(os.environ[_SETTINGS_ENV])
+    # A worker is a fresh (spawned) process: the parent's logging set-up does not reach it, and
+    # without this its infertap.* lines (the access log among them) would go nowhere.
+    configure_logging(settings.server.log_level)
     reload = reloader(json.loads(os.environ[_ARGV_ENV])) if _ARGV_ENV in os.environ else None
     if reload is not None:
         try:
@@ -306,9 +314,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
     _raise_fd_limit()
-    logging.basicConfig(
-        level=(args.log_level or "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level or "info")
     try:
         settings = resolve_settings(args)
         if settings.upstreams:

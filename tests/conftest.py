@@ -22,6 +22,9 @@ from proxy.observer import HOOKS, Observer
 from proxy.settings import Settings, UpstreamSettings
 from proxy.tools.fake_upstream import FakeUpstream
 
+# The smallest chat request most tests send.
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
+
 
 @contextmanager
 def serve_in_thread(app: Any) -> Iterator[str]:

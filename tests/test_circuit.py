@@ -16,10 +16,9 @@ from proxy.app import InfertapApp, create_app
 from proxy.circuit import CLOSED, PANIC, Breaker
 from proxy.settings import CircuitSettings, Settings
 from proxy.tools.fake_upstream import FakeUpstream
-from tests.conftest import make_settings, run_proxy, serve_in_thread, wait_until
+from tests.conftest import CHAT, make_settings, run_proxy, serve_in_thread, wait_until
 from tests.promtext import scrape, value
 
-CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
 CLOSED_PORT = "http://127.0.0.1:9/v1"  # nothing listens: connections are refused
 
 

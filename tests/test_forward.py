@@ -13,9 +13,7 @@ import pytest
 
 from proxy.exchange import Exchange
 from proxy.tools.fake_upstream import FakeUpstream
-from tests.conftest import RecordingObserver, make_settings, run_proxy, wait_until
-
-CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
+from tests.conftest import CHAT, RecordingObserver, make_settings, run_proxy, wait_until
 
 
 def _events(raw: bytes) -> list[bytes]:

@@ -16,10 +16,8 @@ import pytest
 from proxy.exchange import Exchange
 from proxy.observer import Observer
 from proxy.tools.fake_upstream import FakeUpstream
-from tests.conftest import RecordingObserver, make_settings, run_proxy, serve_process, wait_until
+from tests.conftest import CHAT, RecordingObserver, make_settings, run_proxy, serve_process, wait_until
 from tests.promtext import samples, scrape, value
-
-CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
 
 
 def test_exact_counts_after_a_known_workload(fake: tuple[FakeUpstream, str]) -> None:

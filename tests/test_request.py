@@ -10,9 +10,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from proxy.tools.fake_upstream import FakeUpstream
-from tests.conftest import make_settings, run_proxy, serve_in_thread
-
-CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
+from tests.conftest import CHAT, make_settings, run_proxy, serve_in_thread
 
 # Each would reach the upstream outside its base path once a client, infertap or the upstream
 # normalizes it (on main they all arrived as POST /secret or /admin, with the upstream's key).

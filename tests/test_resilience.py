@@ -19,10 +19,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from proxy.settings import Settings
 from proxy.tools.fake_upstream import FakeUpstream
 from proxy.tracing import TracingObserver
-from tests.conftest import RecordingObserver, make_settings, run_proxy, serve_process, wait_until
+from tests.conftest import CHAT, RecordingObserver, make_settings, run_proxy, serve_process, wait_until
 from tests.promtext import samples, scrape, value
 
-CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
 STREAM = {**CHAT, "stream": True}
 CLOSED = "http://127.0.0.1:9/v1"  # the discard port: nothing listens, connections are refused
 

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import serve_process, wait_until
+from tests.conftest import CHAT, serve_process, wait_until
 
 MESSAGES = [{"role": "user", "content": "Explain prefill and decode."}]
 
@@ -255,3 +255,24 @@ def test_a_taken_port_fails_before_start_up_with_a_message(tmp_path: Path) -> No
 def test_a_directory_given_as_config_says_so(tmp_path: Path) -> None:
     r = _serve("--config", str(tmp_path))
     assert r.returncode == 2 and "is a directory" in r.stderr and "not found" not in r.stderr
+
+
+def test_workers_log_their_lines_and_the_access_log(tmp_path: Path) -> None:
+    """Regression: with --workers N the workers' infertap.* lines (the access log, the upstream
+    list) went nowhere; only uvicorn's own lines reached stderr."""
+    log = tmp_path / "serve.log"
+    with serve_process("--workers", "2", env=_clean_env(), log=log) as (base, _):
+        rids = []
+        for _ in range(4):
+            r = httpx.post(f"{base}/v1/chat/completions", json=CHAT, timeout=30)
+            assert r.status_code == 200
+            rids.append(r.headers["x-request-id"])
+
+        def logged() -> bool:
+            text = log.read_text()
+            return all(rid in text for rid in rids)
+
+        wait_until(logged, 30, "every request's access log line")
+    text = log.read_text()
+    assert "infertap.access" in text
+    assert text.count("infertap.app: upstream sim [default]") == 2, text  # one per worker

@@ -24,6 +24,7 @@ from proxy.settings import ConfigError, TracingSettings
 from proxy.tools.fake_upstream import FakeUpstream
 from proxy.tracing import TracingObserver, build_tracing, export_config
 from tests.conftest import (
+    CHAT,
     RecordingObserver,
     make_settings,
     run_proxy,
@@ -33,7 +34,6 @@ from tests.conftest import (
 )
 from tests.otlp_receiver import otlp_grpc_receiver, otlp_http_receiver
 
-CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 PARENT = "b7ad6b7169203331"
 
