@@ -9,6 +9,7 @@ FastAPI endpoint ~54 µs). No BaseHTTPMiddleware anywhere (it hides client disco
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -130,6 +131,10 @@ class InfertapApp(FastAPI):
         if self.reloader is not None:
             self.reloader.install()
         self._log_upstreams(router)
+        # What start-up built (FastAPI's routes and models, settings, observers) lives as long as
+        # the process: out of the collector's way, so full collections under load stay as cheap
+        # as before FastAPI (measured: ~8% CPU per non-streaming request without this).
+        gc.freeze()
 
     async def shutdown(self) -> None:
         if self._runtime is not None:
