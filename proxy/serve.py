@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from uvicorn.supervisors import Multiprocess
 
 from proxy import __version__
+from proxy.oslimits import raise_nofile
 from proxy.settings import (
     TAOTOKEN_BASE_URL,
     ConfigError,
@@ -288,18 +289,6 @@ class _Supervisor(Multiprocess):
         self.signal_queue.append(signum)
 
 
-def _raise_fd_limit() -> None:
-    """Each stream holds two sockets (client and upstream): the usual soft limit of 1024 files
-    would cap infertap near 500 concurrent streams, far below what the hard limit allows."""
-    try:
-        import resource
-    except ImportError:  # not on POSIX
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
 class _Terminated(Exception):
     """SIGTERM arrived. uvicorn shuts down gracefully on it and then raises the signal again; under
     the default disposition that would end the process at once and skip the cleanup in main (the
@@ -313,7 +302,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    _raise_fd_limit()
+    raise_nofile()
     configure_logging(args.log_level or "info")
     try:
         settings = resolve_settings(args)

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from proxy.tools import bench_upstream as up
-from proxy.tools.bench import scenarios
-from proxy.tools.bench_client import ClientConnection, Job, _check
-from proxy.tools.bench_report import targets
+from proxy.tools.bench import upstream as up
+from proxy.tools.bench.cli import scenarios
+from proxy.tools.bench.loadgen import ClientConnection, Job, _check
+from proxy.tools.bench.report import targets
 
 ROOT = Path(__file__).resolve().parent.parent
 

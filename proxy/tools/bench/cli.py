@@ -1,7 +1,7 @@
 """`infertap bench`: infertap's overhead, measured against a direct connection in the same run.
 
-It starts a fast local OpenAI-compatible upstream (proxy/tools/bench_upstream.py) and infertap in
-front of it, then drives both with a cheap load generator (proxy/tools/bench_client.py): the
+It starts a fast local OpenAI-compatible upstream (proxy/tools/bench/upstream.py) and infertap in
+front of it, then drives both with a cheap load generator (proxy/tools/bench/loadgen.py): the
 upstream and the load generator share core 0, infertap has core 1 to itself, so what infertap
 adds is not blurred by the harness fighting it for a core. Direct and proxied runs alternate
 within each scenario, so drift on the machine hits both alike.
@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy import __version__
-from proxy.tools.bench_client import Job
-from proxy.tools.bench_procs import (
+from proxy.oslimits import raise_nofile
+from proxy.tools.bench.loadgen import Job
+from proxy.tools.bench.processes import (
     BenchError,
     Infertap,
     LoadGenerator,
@@ -35,8 +36,7 @@ from proxy.tools.bench_procs import (
     reset_peak_rss,
     status_mb,
 )
-from proxy.tools.bench_report import DIRECT, Acc, make_row, render, targets
-from proxy.tools.bench_upstream import raise_nofile
+from proxy.tools.bench.report import DIRECT, Acc, make_row, render, targets
 
 PROXY, TRACED, WORKERS = "infertap", "infertap+tracing", "infertap --workers 2"
 # Tracing to an OTLP endpoint where nothing listens: requests must not notice.
