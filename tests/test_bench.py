@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from proxy.tools.bench import upstream as up
-from proxy.tools.bench.cli import scenarios
+from proxy.tools.bench.scenarios import scenarios
 from proxy.tools.bench.loadgen import ClientConnection, Job, _check
 from proxy.tools.bench.report import targets
 
