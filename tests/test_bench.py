@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from proxy.tools.bench import upstream as up
-from proxy.tools.bench.scenarios import scenarios
 from proxy.tools.bench.loadgen import ClientConnection, Job, _check
 from proxy.tools.bench.report import targets
+from proxy.tools.bench.scenarios import scenarios
 
 ROOT = Path(__file__).resolve().parent.parent
 
