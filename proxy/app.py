@@ -101,6 +101,8 @@ class InfertapApp:
         self._runtime = _Runtime(client, router, forwarder, checker, drain)
         drain.install()
         checker.start()
+        if self.metrics is not None:
+            self.metrics.start_probes()
         for up in router.upstreams:
             key = (
                 "no key"
@@ -118,6 +120,8 @@ class InfertapApp:
             try:
                 self._runtime.drain.close()
                 await self._runtime.checker.stop()
+                if self.metrics is not None:
+                    await self.metrics.stop_probes()
             finally:
                 await self._runtime.client.close()
                 self._runtime = None

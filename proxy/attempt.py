@@ -20,7 +20,7 @@ from proxy.exchange import Exchange
 from proxy.observer import ObserverSet
 from proxy.request import GENERATION_ROUTES, retry_after
 from proxy.sse import ResponsesScanner, SSEScanner
-from proxy.upstream import RETRYABLE_STATUS, ErrorKind, Upstream, classify, describe
+from proxy.upstream import RETRYABLE_STATUS, ErrorKind, Upstream, classify, describe, sent_at
 
 # Generation routes whose streams are not chat-completion-like.
 SCANNERS: dict[str, type[SSEScanner]] = {"responses": ResponsesScanner}
@@ -50,6 +50,7 @@ class Ready:
     scanner: SSEScanner | None = None
     pending: list[bytes] = field(default_factory=list)
     outputs: int = 0
+    first_output_at: float | None = None  # when the bytes holding the first output event arrived
     prefetched: bytes | None = None
 
 
@@ -108,6 +109,8 @@ class Attempter:
                     timeout=up.timeout,
                     allow_redirects=False,
                 )
+                if ex.upstream_sent_at is None:
+                    ex.upstream_sent_at = sent_at(resp)
                 ex.status_code = status = resp.status
                 ex.first_byte_at = time.perf_counter()
                 obs.first_byte(ex)
@@ -145,6 +148,7 @@ class Attempter:
                     strip_usage_only=ex.usage_injected, capture_chars=ex.capture_output_chars
                 )
                 ready = await self._until_first_output(resp, chunks, scanner)
+                ex.first_output_read_at = ready.first_output_at
                 return ready
         except aiohttp.ClientError as e:  # before TimeoutError: aiohttp's timeouts are TimeoutErrors too
             kind = classify(e)
@@ -174,12 +178,16 @@ class Attempter:
     ) -> Ready:
         """Reads a generation stream until its first output event (or its end), holding the bytes."""
         ready = Ready(resp, chunks, scanner)
+        perf = time.perf_counter
         async for data in chunks:
+            arrived = perf()  # a few reads before the first token: infertap's overhead starts here
             out, outputs = scanner.feed(data)
             if out:
                 ready.pending.append(out)
             if outputs or scanner.facts.done or scanner.facts.error_events:
                 ready.outputs = outputs
+                if outputs:
+                    ready.first_output_at = arrived
                 break
         return ready
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import random
+import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 from urllib.parse import urlsplit
@@ -172,6 +173,38 @@ class Router:
         return self._by_name.get(name)
 
 
+class StampedRequest(aiohttp.ClientRequest):
+    """aiohttp's request, noting when its last byte went to the socket: the end of infertap's
+    intake overhead. The response carries the stamp (`sent_at(resp)`) in a one-slot list that
+    refers to nothing, so no reference cycle is made for the GC to collect."""
+
+    _infertap_sent: list[float] | None = None
+
+    async def send(self, conn: aiohttp.connector.Connection) -> aiohttp.ClientResponse:
+        sent = self._infertap_sent = [0.0]
+        resp = await super().send(conn)
+        resp._infertap_sent = sent  # type: ignore[attr-defined]
+        if not sent[0] and self._writer is None:  # nothing left to write: headers were all
+            sent[0] = time.perf_counter()
+        return resp
+
+    async def write_bytes(
+        self,
+        writer: aiohttp.abc.AbstractStreamWriter,
+        conn: aiohttp.connector.Connection,
+        content_length: int | None = None,
+    ) -> None:
+        await super().write_bytes(writer, conn, content_length)
+        if self._infertap_sent is not None:
+            self._infertap_sent[0] = time.perf_counter()
+
+
+def sent_at(resp: aiohttp.ClientResponse) -> float | None:
+    """When the request behind `resp` was written (None: not known)."""
+    sent: list[float] | None = getattr(resp, "_infertap_sent", None)
+    return sent[0] or None if sent is not None else None
+
+
 def make_client(max_connections: int = 1000) -> aiohttp.ClientSession:
     """One pooled client for all upstreams. Must be created inside the running event loop.
 
@@ -195,4 +228,5 @@ def make_client(max_connections: int = 1000) -> aiohttp.ClientSession:
         auto_decompress=False,
         cookie_jar=aiohttp.DummyCookieJar(),
         skip_auto_headers=("User-Agent",),
+        request_class=StampedRequest,
     )
