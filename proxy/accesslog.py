@@ -10,6 +10,7 @@ import orjson
 
 from proxy.exchange import Exchange
 from proxy.observer import Observer
+from proxy.routes import route_of
 
 log = logging.getLogger("infertap.access")
 
@@ -38,7 +39,7 @@ def access_record(ex: Exchange) -> dict[str, Any]:
         "tpot_s": _r(ex.tpot),
         "duration_s": _r(ex.duration),
         "prompt_tokens": ex.prompt_tokens,
-        "completion_tokens": None if ex.route == "embeddings" else ex.output_tokens,
+        "completion_tokens": ex.output_tokens if route_of(ex.route).generation else None,
         "tokens_source": ex.token_source.value,
         "cached_tokens": ex.cached_tokens,
         "reasoning_tokens": ex.reasoning_tokens,
@@ -69,7 +70,7 @@ class AccessLog(Observer):
         self.fmt = fmt
         self.logger = logger
 
-    def _write(self, ex: Exchange) -> None:
+    def ended(self, ex: Exchange) -> None:
         if not self.logger.isEnabledFor(logging.INFO):
             return
         record = access_record(ex)
@@ -78,12 +79,3 @@ class AccessLog(Observer):
         else:
             line = " ".join(f"{k}={_logfmt_value(v)}" for k, v in record.items() if v is not None)
         self.logger.info(line)
-
-    def finished(self, ex: Exchange) -> None:
-        self._write(ex)
-
-    def failed(self, ex: Exchange) -> None:
-        self._write(ex)
-
-    def client_disconnected(self, ex: Exchange) -> None:
-        self._write(ex)

@@ -13,17 +13,15 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import aiohttp
-
 from proxy.asgi import RawHeaders
+from proxy.errors import ERRORS, ErrorKind, UpstreamError
 from proxy.exchange import Exchange
 from proxy.observer import ObserverSet
-from proxy.request import GENERATION_ROUTES, retry_after
-from proxy.sse import ResponsesScanner, SSEScanner
-from proxy.upstream import RETRYABLE_STATUS, ErrorKind, Upstream, classify, describe, sent_at
-
-# Generation routes whose streams are not chat-completion-like.
-SCANNERS: dict[str, type[SSEScanner]] = {"responses": ResponsesScanner}
+from proxy.request import retry_after
+from proxy.routes import Route
+from proxy.sse import SSEScanner
+from proxy.upstream import RETRYABLE_STATUS, Upstream
+from proxy.upstream_client import UpstreamClient, UpstreamResponse
 
 
 @dataclass(slots=True)
@@ -31,6 +29,7 @@ class Call:
     """What one proxied request needs across its attempts."""
 
     ex: Exchange
+    route: Route
     upstream: Upstream
     suffix: str
     headers: dict[str, str]
@@ -39,13 +38,15 @@ class Call:
     rid: RawHeaders
     committed: bool = False
     committed_sse: bool = False  # what was committed can carry an in-band error event
+    # The routed upstream and its fallbacks, fixed at intake: a reload changes new requests only.
+    plan: list[Upstream] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class Ready:
     """An attempt whose answer will be relayed."""
 
-    resp: aiohttp.ClientResponse
+    resp: UpstreamResponse
     chunks: AsyncIterator[bytes]
     scanner: SSEScanner | None = None
     pending: list[bytes] = field(default_factory=list)
@@ -65,8 +66,9 @@ class Failure:
 
 
 class Attempter:
-    def __init__(self, client: aiohttp.ClientSession, observers: ObserverSet) -> None:
+    def __init__(self, client: UpstreamClient, observers: ObserverSet) -> None:
         self.client = client
+        self.errors: tuple[type[BaseException], ...] = (UpstreamError, *client.errors)
         self.observers = observers
         # Upstreams that answered 400 to stream_options: infertap stops injecting it there.
         self.no_stream_options: set[str] = set()
@@ -96,21 +98,21 @@ class Attempter:
         ex.upstream_headers = self.headers_for(call, up)
         ex.attempt_started_at = time.perf_counter()
         obs.attempt_started(ex)
-        generation_stream = ex.stream and ex.route in GENERATION_ROUTES
-        resp: aiohttp.ClientResponse | None = None
+        scanner_type = call.route.scanner
+        generation_stream = ex.stream and scanner_type is not None
+        resp: UpstreamResponse | None = None
         ready: Ready | None = None
         try:
             async with asyncio.timeout(up.ttft_timeout if generation_stream else None):
-                resp = await self.client.request(
+                resp = await self.client.send(
                     ex.method,
                     up.url(call.suffix),
-                    headers=self._keyed(ex.upstream_headers, up),
-                    data=call.body or None,
-                    timeout=up.timeout,
-                    allow_redirects=False,
+                    self._keyed(ex.upstream_headers, up),
+                    call.body or None,
+                    up.timeout,
                 )
                 if ex.upstream_sent_at is None:
-                    ex.upstream_sent_at = sent_at(resp)
+                    ex.upstream_sent_at = resp.sent_at
                 ex.status_code = status = resp.status
                 ex.first_byte_at = time.perf_counter()
                 obs.first_byte(ex)
@@ -139,28 +141,24 @@ class Attempter:
                         )
                     ready = Ready(resp, _empty(), prefetched=content)
                     return ready
-                chunks = resp.content.iter_any()
+                chunks = resp.chunks()
                 is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-                if not (generation_stream and status == 200 and is_sse):
+                if scanner_type is None or not (generation_stream and status == 200 and is_sse):
                     ready = Ready(resp, chunks)
                     return ready
-                scanner = SCANNERS.get(ex.route, SSEScanner)(
+                scanner = scanner_type(
                     strip_usage_only=ex.usage_injected, capture_chars=ex.capture_output_chars
                 )
                 ready = await self._until_first_output(resp, chunks, scanner)
                 ex.first_output_read_at = ready.first_output_at
                 return ready
-        except aiohttp.ClientError as e:  # before TimeoutError: aiohttp's timeouts are TimeoutErrors too
-            kind = classify(e)
+        except self.errors as e:  # before TimeoutError: a client's own timeouts may be TimeoutErrors too
+            err = self.client.error(e)
+            kind = err.kind
             if kind is ErrorKind.IDLE_TIMEOUT:
                 kind = ErrorKind.TTFT_TIMEOUT  # nothing relayed yet: still waiting for the first token
-            status = 504 if kind in (ErrorKind.CONNECT_TIMEOUT, ErrorKind.TTFT_TIMEOUT) else 502
-            what = {
-                ErrorKind.CONNECT_ERROR: "is unreachable",
-                ErrorKind.CONNECT_TIMEOUT: "did not accept a connection in time",
-                ErrorKind.TTFT_TIMEOUT: "did not answer in time",
-            }.get(kind, "failed before the first token")
-            return Failure(kind, status, f"upstream '{up.name}' ({ex.upstream_url}) {what}: {describe(e)}")
+            info = ERRORS[kind]
+            return Failure(kind, info.status, f"upstream '{up.name}' ({ex.upstream_url}) {info.what}: {err}")
         except TimeoutError:
             return Failure(
                 ErrorKind.TTFT_TIMEOUT,
@@ -174,7 +172,7 @@ class Attempter:
 
     @staticmethod
     async def _until_first_output(
-        resp: aiohttp.ClientResponse, chunks: AsyncIterator[bytes], scanner: SSEScanner
+        resp: UpstreamResponse, chunks: AsyncIterator[bytes], scanner: SSEScanner
     ) -> Ready:
         """Reads a generation stream until its first output event (or its end), holding the bytes."""
         ready = Ready(resp, chunks, scanner)

@@ -133,11 +133,12 @@ def header_names(clients: ClientSettings, keys: ClientKeys | None) -> HeaderName
     return HeaderNames(clients.header, clients.max_clients, multiprocess_dir())
 
 
-def bearer_token(env: str | None) -> str | None:
-    """The token that /metrics requires, from the environment variable `env` names."""
+def bearer_token(env: str | None, setting: str = "auth.metrics_token_env") -> str | None:
+    """The token that /metrics (or, by `setting`, another route) requires, from the environment
+    variable `env` names."""
     if not env:
         return None
     token = os.environ.get(env)
     if not token:
-        raise ConfigError(f"auth.metrics_token_env names ${env}, which is not set or empty")
+        raise ConfigError(f"{setting} names ${env}, which is not set or empty")
     return token

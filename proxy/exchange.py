@@ -30,7 +30,11 @@ class Outcome(StrEnum):
     SHUTDOWN = "shutdown"  # still open when the drain after SIGTERM ran out
 
 
-def prompt_class(tokens: int, bounds: tuple[int, ...] = (1024, 4096, 16384)) -> str:
+# Written once: the metrics settings' default and the forwarder's take it from here.
+DEFAULT_PROMPT_CLASS_BOUNDS = (1024, 4096, 16384)
+
+
+def prompt_class(tokens: int, bounds: tuple[int, ...] = DEFAULT_PROMPT_CLASS_BOUNDS) -> str:
     """A bounded size class of the prompt: `<1k`, `1k-4k`, `4k-16k`, `>16k` with the default bounds.
 
     TTFT grows with the prompt, so comparing TTFT within a class tells a regression apart

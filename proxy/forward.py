@@ -17,52 +17,39 @@ import math
 import time
 from typing import Any
 
-import aiohttp
-import orjson
-
 from proxy.asgi import BodyTooLarge, ClientGone, RawHeaders, Receive, Scope, Send, read_body, send_error
 from proxy.attempt import Attempter, Call, Failure, Ready
 from proxy.circuit import PANIC, Permit
-from proxy.exchange import Exchange, Outcome, prompt_class
+from proxy.errors import ERRORS, ErrorKind, describe, outcome_of
+from proxy.exchange import DEFAULT_PROMPT_CLASS_BOUNDS, Exchange, Outcome
 from proxy.observer import ObserverSet
-from proxy.relay import relay_body, relay_sse, response_headers, stamp_outputs, status_outcome, take_facts
+from proxy.relay import relay_committed, response_headers, status_outcome, take_facts
 from proxy.request import (
-    COMPLETION_ROUTES,
-    JSON_ROUTES,
     PathRejected,
     RequestIds,
     RequestRejected,
+    fill_record,
     forwarded_headers,
     parse_request,
     passthrough_suffix,
-    prompt_chars,
+    with_usage,
 )
+from proxy.routes import OTHER, Route
 from proxy.sse import StreamFacts, error_event
-from proxy.upstream import ErrorKind, Router, Upstream, classify, describe
+from proxy.upstream import Router, Upstream
+from proxy.upstream_client import UpstreamClient
 
 log = logging.getLogger("infertap.forward")
-
-# Failures that say the upstream is unwell (they count towards its circuit breaker).
-_UNHEALTHY = frozenset(
-    {
-        ErrorKind.CONNECT_ERROR,
-        ErrorKind.CONNECT_TIMEOUT,
-        ErrorKind.TTFT_TIMEOUT,
-        ErrorKind.READ_ERROR,
-        ErrorKind.UPSTREAM_5XX,
-        ErrorKind.IDLE_TIMEOUT,
-    }
-)
 
 
 class Forwarder:
     def __init__(
         self,
         router: Router,
-        client: aiohttp.ClientSession,
+        client: UpstreamClient,
         observers: ObserverSet,
         max_body_bytes: int,
-        prompt_class_bounds: tuple[int, ...] = (1024, 4096, 16384),
+        prompt_class_bounds: tuple[int, ...] = DEFAULT_PROMPT_CLASS_BOUNDS,
         max_concurrency: int = 0,
         when_all_open: str = "send",
     ) -> None:
@@ -86,14 +73,14 @@ class Forwarder:
             task.cancel()
 
     # -- request intake ---------------------------------------------------------------------
-    async def handle(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
-        ex = Exchange(self.request_id(scope), route, scope["method"], scope["path"])
+    async def handle(self, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
+        ex = Exchange(self.request_id(scope), route.label, scope["method"], scope["path"])
         ex.client = scope.get("infertap.client", ex.client)
         for key, value in scope["headers"]:
             if key == b"traceparent" or key == b"tracestate":
                 ex.trace_context[key.decode()] = value.decode("latin-1")
         rid = [(b"x-request-id", ex.request_id.encode())]
-        if route == "other":
+        if route is OTHER:
             try:
                 suffix = passthrough_suffix(scope)
             except PathRejected as e:
@@ -116,14 +103,20 @@ class Forwarder:
         # Counted from here, before the body is read: a slow upload holds its place under the cap.
         self.active += 1
         try:
-            await self._intake(scope, receive, send, ex, rid, suffix)
+            await self._intake(scope, receive, send, ex, route, rid, suffix)
         finally:
             self.active -= 1
 
     async def _intake(
-        self, scope: Scope, receive: Receive, send: Send, ex: Exchange, rid: RawHeaders, suffix: str
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        ex: Exchange,
+        route: Route,
+        rid: RawHeaders,
+        suffix: str,
     ) -> None:
-        route = ex.route
         try:
             body = await read_body(receive, self.max_body_bytes)
         except ClientGone:
@@ -133,30 +126,23 @@ class Forwarder:
             await self._reject(send, ex, rid, 413, msg, "request_too_large")
             return
         try:
-            parsed = parse_request(route, body)
+            obj = parse_request(route, body)
         except RequestRejected as e:
             await self._reject(send, ex, rid, e.status, e.message, e.code, e.param)
             return
-        obj = parsed.obj
+        original = body
         if obj is not None:
-            ex.request_json = obj
-            ex.model = obj["model"]
-            ex.stream = obj.get("stream") is True
-            ex.prompt_chars = prompt_chars(obj)
-            ex.prompt_class = prompt_class(ex.estimated_prompt_tokens, self.prompt_class_bounds)
-            ex.params = {
-                k: obj[k]
-                for k in ("max_tokens", "max_completion_tokens", "max_output_tokens", "temperature", "top_p")
-                if k in obj
-            }
-        upstream = self.router.route(ex.model)
+            fill_record(ex, obj, self.prompt_class_bounds)
+        router = self.router  # this request's: a reload swaps self.router for new requests only
+        upstream = router.route(ex.model)
         ex.upstream = upstream.name
         ex.upstream_url = upstream.display_url
-        if obj is not None and ex.stream and route in COMPLETION_ROUTES:
-            body = self._maybe_inject_usage(ex, obj, upstream, body)
+        if obj is not None and ex.stream and route.stream_options:
+            body = with_usage(ex, obj, body, upstream.name in self.attempter.no_stream_options)
         if scope.get("query_string"):
             suffix += "?" + scope["query_string"].decode("latin-1")
-        call = Call(ex, upstream, suffix, forwarded_headers(scope), body, parsed.body, rid)
+        call = Call(ex, route, upstream, suffix, forwarded_headers(scope), body, original, rid)
+        call.plan = router.plan(upstream)
         self.observers.request_received(ex)
         await self._guarded(receive, send, call)
 
@@ -175,15 +161,6 @@ class Forwarder:
         self.observers.request_received(ex)
         await send_error(send, status, message, kind, code, rid + (extra or []), param)
         self._end(ex, Outcome.REJECTED, status, message)
-
-    def _maybe_inject_usage(self, ex: Exchange, obj: dict[str, Any], up: Upstream, body: bytes) -> bytes:
-        opts = obj.get("stream_options")
-        if isinstance(opts, dict) and "include_usage" in opts:
-            return body
-        if up.name in self.attempter.no_stream_options or (opts is not None and not isinstance(opts, dict)):
-            return body
-        ex.usage_injected = True
-        return orjson.dumps({**obj, "stream_options": {**(opts or {}), "include_usage": True}})
 
     def _end(
         self, ex: Exchange, outcome: Outcome, status: int | None = None, error: str | None = None
@@ -233,10 +210,15 @@ class Forwarder:
                 await self._exchange(send, call, watcher)
         except TimeoutError:
             msg = f"the request took longer than the total timeout of {total} s"
+            kind, status, outcome = (
+                ErrorKind.TOTAL_TIMEOUT,
+                ERRORS[ErrorKind.TOTAL_TIMEOUT].status,
+                Outcome.TOTAL_TIMEOUT,
+            )
             if call.committed and not call.committed_sse:
                 # A plain body cut short would look complete, and an error event appended to it
                 # would corrupt it: the connection is aborted (the app returns unfinished).
-                self._end(ex, Outcome.TOTAL_TIMEOUT, 504, msg)
+                self._end(ex, outcome, status, msg)
                 return
             if call.committed:
                 watcher.cancel()
@@ -244,12 +226,12 @@ class Forwarder:
                     {
                         "type": "http.response.body",
                         "more_body": False,
-                        "body": error_event(msg, Outcome.TOTAL_TIMEOUT.value),
+                        "body": error_event(msg, kind.value),
                     }
                 )
             else:
-                await send_error(send, 504, msg, Outcome.TOTAL_TIMEOUT.value, "total_timeout", call.rid)
-            self._end(ex, Outcome.TOTAL_TIMEOUT, 504, msg)
+                await send_error(send, status, msg, kind.value, kind.value, call.rid)
+            self._end(ex, outcome, status, msg)
         except asyncio.CancelledError:
             if not gone:
                 # Shutting down: infertap's drain deadline (then the request ends here), or the
@@ -296,7 +278,7 @@ class Forwarder:
     # -- attempts, fallback, circuit --------------------------------------------------------
     async def _exchange(self, send: Send, call: Call, watcher: asyncio.Task[None]) -> None:
         ex = call.ex
-        plan = self.router.plan(call.upstream)
+        plan = call.plan
         now = time.monotonic()
         # Only asks: the permit is taken right before an attempt goes (a fallback the request
         # never reaches must not hold its upstream's probe slot).
@@ -325,7 +307,7 @@ class Forwarder:
                             ex, up, permit, status < 500, f"upstream '{up.name}' answered HTTP {status}"
                         )
                     else:
-                        self._health(ex, up, permit, result.kind not in _UNHEALTHY, result.message)
+                        self._health(ex, up, permit, not ERRORS[result.kind].unhealthy, result.message)
                 finally:
                     up.breaker.release(permit)
                 if isinstance(result, Ready):
@@ -351,7 +333,7 @@ class Forwarder:
         await send_error(
             send, failure.status, failure.message, failure.kind.value, failure.kind.value, call.rid
         )
-        self._end(ex, Outcome(failure.kind.value), failure.status, failure.message)
+        self._end(ex, outcome_of(failure.kind), failure.status, failure.message)
 
     async def _circuit_open(self, send: Send, call: Call, plan: list[Upstream]) -> None:
         now = time.monotonic()
@@ -403,54 +385,26 @@ class Forwarder:
                     "headers": response_headers(resp.raw_headers, is_sse, call.rid),
                 }
             )
-            if ready.prefetched is not None:
-                await send({"type": "http.response.body", "body": ready.prefetched, "more_body": True})
-            elif ready.scanner is not None:
-                if ready.pending:
-                    await send(
-                        {"type": "http.response.body", "body": b"".join(ready.pending), "more_body": True}
-                    )
-                    if ready.outputs:
-                        stamp_outputs(ex, self.observers, ready.outputs, time.perf_counter())
-                await relay_sse(send, ex, self.observers, ready.chunks, ready.scanner)
-                facts = ready.scanner.facts
-                if facts.error_events:
-                    outcome = Outcome.UPSTREAM_ERROR
-                elif not facts.done:
-                    outcome = Outcome.STREAM_INTERRUPTED
-                    msg = (
-                        f"upstream '{ex.upstream}' ended the stream without {ready.scanner.END}: "
-                        "the answer is incomplete"
-                    )
-                    await send(
-                        {
-                            "type": "http.response.body",
-                            "more_body": True,
-                            "body": error_event(msg, outcome.value),
-                        }
-                    )
-                    ex.error_message = msg
-            else:
-                capture = ex.route in JSON_ROUTES and "json" in resp.headers.get("content-type", "")
-                facts = await relay_body(send, ready.chunks, capture, ex.capture_output_chars)
+            facts, outcome = await relay_committed(send, call, ready, self.observers, outcome)
             read_all = True
-        except aiohttp.ClientError as e:
-            kind = classify(e)
+        except self.attempter.errors as e:
+            err = self.attempter.client.error(e)
+            kind = err.kind
             if kind not in (ErrorKind.IDLE_TIMEOUT, ErrorKind.TTFT_TIMEOUT):
                 kind = ErrorKind.READ_ERROR
-            msg = f"upstream '{ex.upstream}' failed mid-response: {describe(e)}"
+            msg = f"upstream '{ex.upstream}' failed mid-response: {err}"
             if ready.scanner is not None:
                 facts = ready.scanner.facts
             take_facts(ex, facts)
             if not is_sse:
                 # Ending a plain body early would look complete; an aborted connection does not.
-                self._end(ex, Outcome(kind.value), error=msg)
+                self._end(ex, outcome_of(kind), error=msg)
                 return
             watcher.cancel()
             await send(
                 {"type": "http.response.body", "more_body": False, "body": error_event(msg, kind.value)}
             )
-            self._end(ex, Outcome(kind.value), error=msg)
+            self._end(ex, outcome_of(kind), error=msg)
             return
         finally:
             # A fully read answer returns its connection to the pool; anything else (a failure,

@@ -13,10 +13,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
 from proxy import __version__
-from proxy.upstream import Router, Upstream, describe
+from proxy.errors import UpstreamError
+from proxy.upstream import Router, Upstream
+from proxy.upstream_client import UpstreamClient
 
 log = logging.getLogger("infertap.health")
 
@@ -42,8 +42,8 @@ CHECK_USER_AGENT = f"infertap/{__version__} upstream-check"
 
 
 async def probe_models(
-    client: aiohttp.ClientSession, up: Upstream, timeout: aiohttp.ClientTimeout, check: bool = False
-) -> Probe | Exception:
+    client: UpstreamClient, up: Upstream, timeout: float, check: bool = False
+) -> Probe | UpstreamError:
     """GET the upstream's model list: (status, body), or why it could not be had (key-free)."""
     headers = dict(up.headers)
     if check:
@@ -51,22 +51,19 @@ async def probe_models(
     if up.api_key:
         headers["authorization"] = f"Bearer {up.api_key}"
     try:
-        async with client.get(up.url("/models"), headers=headers, timeout=timeout) as r:
-            return Probe(r.status, await r.read())
-    except (aiohttp.ClientError, TimeoutError) as e:
+        return Probe(*await client.fetch(up.url("/models"), headers, timeout))
+    except UpstreamError as e:
         return e
 
 
 class UpstreamChecker:
     """Every `interval` seconds, GET /models on each upstream with a short timeout."""
 
-    def __init__(
-        self, router: Router, client: aiohttp.ClientSession, interval: float, timeout: float
-    ) -> None:
+    def __init__(self, router: Router, client: UpstreamClient, interval: float, timeout: float) -> None:
         self.router = router
         self.client = client
         self.interval = interval
-        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.timeout = timeout
         self.checks: dict[str, Check] = {}
         self._task: asyncio.Task[None] | None = None
 
@@ -98,7 +95,7 @@ class UpstreamChecker:
         now = time.time()
         for up, res in zip(ups, results, strict=True):
             if isinstance(res, Exception):
-                check = Check(False, now, error=describe(res))
+                check = Check(False, now, error=str(res))
             else:
                 # Any HTTP answer means it is there; the status says whether it is happy.
                 check = Check(True, now, res.status, None if res.status == 200 else f"HTTP {res.status}")

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from proxy.exchange import Exchange
 from proxy.observer import Observer
+from proxy.routes import route_of
 from proxy.settings import LoopSettings
 
 # Words are whitespace-separated (punctuation stays attached: "sure." and "sure" differ, which
@@ -30,7 +31,6 @@ _CJK = "\u3000-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\uff00-
 _SPLIT_CJK = re.compile(rf"[{_CJK}]|[^{_CJK}]+")
 _HAS_CJK = re.compile(rf"[{_CJK}]")
 # Routes whose answers are generated text.
-_TEXT_ROUTES = frozenset({"chat.completions", "completions", "responses"})
 
 
 def tokens(text: str) -> list[str]:
@@ -78,21 +78,12 @@ class LoopDetector(Observer):
         self.on_degenerate = on_degenerate
 
     def request_received(self, ex: Exchange) -> None:
-        if ex.route in _TEXT_ROUTES:
+        if route_of(ex.route).generation:
             ex.capture_output_chars = max(ex.capture_output_chars, self.window)
 
-    def finished(self, ex: Exchange) -> None:
-        self._check(ex)
-
-    def failed(self, ex: Exchange) -> None:
-        self._check(ex)
-
-    def client_disconnected(self, ex: Exchange) -> None:
-        self._check(ex)
-
-    def _check(self, ex: Exchange) -> None:
+    def ended(self, ex: Exchange) -> None:
         text = ex.output_text
-        if not text or ex.route not in _TEXT_ROUTES:
+        if not text or not route_of(ex.route).generation:
             return
         # Another observer may have asked for a longer capture: score our window only.
         score = repetition_score(text[: self.window], self.ngram, self.min_tokens)

@@ -13,10 +13,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, mult
 from prometheus_client.exposition import choose_encoder
 
 from proxy import __version__
+from proxy.errors import TIMEOUT_PHASES
 from proxy.exchange import Exchange, Outcome
 from proxy.looplag import LoopLagProbe
 from proxy.model_labels import NONE, OTHER, ModelLabels, multiprocess_dir
 from proxy.observer import Observer
+from proxy.routes import route_of
 from proxy.settings import MetricsSettings, Settings
 from proxy.spend import billed_tokens
 
@@ -91,12 +93,6 @@ OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01
                     0.25, 0.5, 1.0, 2.5)  # fmt: skip
 TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5) if m * 10**e <= 1_000_000)
 
-TIMEOUT_PHASES: dict[str, str] = {
-    Outcome.CONNECT_TIMEOUT.value: "connect",
-    Outcome.TTFT_TIMEOUT.value: "ttft",
-    Outcome.IDLE_TIMEOUT.value: "idle",
-    Outcome.TOTAL_TIMEOUT.value: "total",
-}
 __all__ = ["NONE", "OTHER", "CollectorRegistry", "Metrics", "ModelLabels", "multiprocess_dir"]
 
 
@@ -360,16 +356,7 @@ class Metrics(Observer):
     def chunk(self, ex: Exchange, gap: float) -> None:
         ex.scratch["metrics.itl"].observe(gap)
 
-    def finished(self, ex: Exchange) -> None:
-        self._end(ex)
-
-    def failed(self, ex: Exchange) -> None:
-        self._end(ex)
-
-    def client_disconnected(self, ex: Exchange) -> None:
-        self._end(ex)
-
-    def _end(self, ex: Exchange) -> None:
+    def ended(self, ex: Exchange) -> None:
         model, routed = ex.scratch["metrics"]
         upstream = ex.upstream or NONE
         outcome = ex.outcome.value if ex.outcome is not None else NONE
@@ -406,7 +393,7 @@ class Metrics(Observer):
             self._c(self.req_prompt_tokens, model, upstream).observe(prompt)
         if ex.cached_tokens is not None:  # 0 too: the upstream reports them
             self._c(self.cached_tokens, model, upstream, client).inc(ex.cached_tokens)
-        if ex.route == "embeddings":
+        if not route_of(ex.route).generation:
             return
         completion = ex.output_tokens
         self._c(self.completion_tokens, model, upstream, client).inc(completion)
@@ -433,8 +420,7 @@ class Metrics(Observer):
 
     def degenerate_response(self, ex: Exchange, score: float) -> None:
         """Called by the loop detector (proxy/loops.py) for an answer that repeats itself."""
-        labels = ex.scratch.get("metrics")
-        self.degenerate.labels(labels[0] if labels else self.model_label(ex.model)).inc()
+        self._c(self.degenerate, self.model_label(ex.model)).inc()
 
     def _exemplar(self, ex: Exchange) -> dict[str, str] | None:
         if self.exemplars and ex.trace_id:

@@ -23,6 +23,7 @@ HOOKS = (
     "finished",
     "failed",
     "client_disconnected",
+    "ended",
     "upstream_health",
 )
 
@@ -58,6 +59,14 @@ class Observer:
 
     def client_disconnected(self, ex: Exchange) -> None:
         pass
+
+    def ended(self, ex: Exchange) -> None:
+        """After whichever terminal hook fired (finished, failed or client_disconnected), for an
+        observer that only needs to know that the request ended: `ex.outcome` says how.
+
+        Every observer's terminal hook runs before any observer's `ended`: what one observer
+        derives for the others (the spend observer's `ex.cost`) is set in a terminal hook and
+        read in `ended`, so no observer depends on the order in which they were registered."""
 
     def upstream_health(self, ex: Exchange, upstream: str, up: bool) -> None:
         """An upstream's circuit opened (up=False) or closed again (up=True) during `ex`."""
@@ -123,13 +132,20 @@ class ObserverSet:
     def finished(self, ex: Exchange) -> None:
         for call in self._calls["finished"]:
             call(ex)
+        self.ended(ex)
 
     def failed(self, ex: Exchange) -> None:
         for call in self._calls["failed"]:
             call(ex)
+        self.ended(ex)
 
     def client_disconnected(self, ex: Exchange) -> None:
         for call in self._calls["client_disconnected"]:
+            call(ex)
+        self.ended(ex)
+
+    def ended(self, ex: Exchange) -> None:
+        for call in self._calls["ended"]:
             call(ex)
 
     def upstream_health(self, ex: Exchange, upstream: str, up: bool) -> None:

@@ -8,10 +8,11 @@ from collections.abc import AsyncIterator, Iterable
 import orjson
 
 from proxy.asgi import RawHeaders, Send
+from proxy.attempt import Call, Ready
 from proxy.exchange import Exchange, Outcome
 from proxy.observer import ObserverSet
 from proxy.request import DROP_RESPONSE, MAX_JSON_CAPTURE
-from proxy.sse import SSEScanner, StreamFacts, absorb_response, usage_details, usage_tokens
+from proxy.sse import SSEScanner, StreamFacts, absorb_response, error_event, usage_details, usage_tokens
 
 # Set on every stream below: the upstream's own copies would be sent twice (sse-starlette sends one).
 _SSE_OWN = frozenset({b"cache-control", b"x-accel-buffering"})
@@ -30,6 +31,36 @@ def response_headers(raw: Iterable[tuple[bytes, bytes]], is_sse: bool, rid: RawH
         headers.append((b"x-accel-buffering", b"no"))
     headers.extend(rid)
     return headers
+
+
+async def relay_committed(
+    send: Send, call: Call, ready: Ready, obs: ObserverSet, outcome: Outcome
+) -> tuple[StreamFacts, Outcome]:
+    """Relays a committed answer after its headers: what an attempt held, then the rest. Returns
+    what the stream said and the outcome (a stream without its end marker is interrupted, and
+    says so in-band). A failed read raises (the forwarder names it)."""
+    ex = call.ex
+    if ready.prefetched is not None:
+        await send({"type": "http.response.body", "body": ready.prefetched, "more_body": True})
+        return StreamFacts(), outcome
+    scanner = ready.scanner
+    if scanner is None:
+        capture = call.route.json_body and "json" in ready.resp.headers.get("content-type", "")
+        return await relay_body(send, ready.chunks, capture, ex.capture_output_chars), outcome
+    if ready.pending:
+        await send({"type": "http.response.body", "body": b"".join(ready.pending), "more_body": True})
+        if ready.outputs:
+            stamp_outputs(ex, obs, ready.outputs, time.perf_counter())
+    await relay_sse(send, ex, obs, ready.chunks, scanner)
+    facts = scanner.facts
+    if facts.error_events:
+        return facts, Outcome.UPSTREAM_ERROR
+    if not facts.done:
+        msg = f"upstream '{ex.upstream}' ended the stream without {scanner.END}: the answer is incomplete"
+        outcome = Outcome.STREAM_INTERRUPTED
+        await send({"type": "http.response.body", "more_body": True, "body": error_event(msg, outcome.value)})
+        ex.error_message = msg
+    return facts, outcome
 
 
 def stamp_outputs(ex: Exchange, obs: ObserverSet, outputs: int, now: float) -> None:

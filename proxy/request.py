@@ -6,20 +6,14 @@ import email.utils
 import itertools
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import orjson
 
 from proxy.asgi import Scope, header
-
-# Routes that generate text: their JSON body names a model, their streams carry output events.
-GENERATION_ROUTES = frozenset({"chat.completions", "completions", "responses"})
-# Those whose streams end with `data: [DONE]` and send usage only when asked (stream_options).
-# The Responses API always puts usage in its final `response.completed` event instead.
-COMPLETION_ROUTES = frozenset({"chat.completions", "completions"})
-JSON_ROUTES = GENERATION_ROUTES | {"embeddings"}
+from proxy.exchange import Exchange, prompt_class
+from proxy.routes import Route
 
 _HOP_BY_HOP = frozenset(
     {
@@ -168,6 +162,31 @@ def prompt_chars(obj: dict[str, Any]) -> int:
     return total
 
 
+def fill_record(ex: Exchange, obj: dict[str, Any], bounds: tuple[int, ...]) -> None:
+    """The request record's fields that come from a parsed JSON body."""
+    ex.request_json = obj
+    ex.model = obj["model"]
+    ex.stream = obj.get("stream") is True
+    ex.prompt_chars = prompt_chars(obj)
+    ex.prompt_class = prompt_class(ex.estimated_prompt_tokens, bounds)
+    ex.params = {k: obj[k] for k in _PARAMS if k in obj}
+
+
+_PARAMS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "temperature", "top_p")
+
+
+def with_usage(ex: Exchange, obj: dict[str, Any], body: bytes, upstream_rejects_it: bool) -> bytes:
+    """The body with `stream_options.include_usage` added, so that a stream reports its token
+    usage; unchanged when the client decided itself, or the upstream rejects stream_options."""
+    opts = obj.get("stream_options")
+    if isinstance(opts, dict) and "include_usage" in opts:
+        return body
+    if upstream_rejects_it or (opts is not None and not isinstance(opts, dict)):
+        return body
+    ex.usage_injected = True
+    return orjson.dumps({**obj, "stream_options": {**(opts or {}), "include_usage": True}})
+
+
 def retry_after(value: str | None) -> float | None:
     """Seconds from a Retry-After header: delta-seconds or an HTTP date."""
     if not value:
@@ -183,12 +202,6 @@ def retry_after(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-@dataclass(slots=True)
-class ParsedRequest:
-    body: bytes
-    obj: dict[str, Any] | None
-
-
 class RequestRejected(Exception):
     def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -198,10 +211,11 @@ class RequestRejected(Exception):
         self.param = param
 
 
-def parse_request(route: str, body: bytes) -> ParsedRequest:
-    """Validate what infertap itself must understand; everything else is the upstream's business."""
-    if route not in JSON_ROUTES:
-        return ParsedRequest(body, None)
+def parse_request(route: Route, body: bytes) -> dict[str, Any] | None:
+    """Validate what infertap itself must understand; everything else is the upstream's business.
+    The parsed body of a JSON route; None for a route whose body infertap does not read."""
+    if not route.json_body:
+        return None
     if not body.strip():
         raise RequestRejected(400, "the request body is empty: send a JSON object", "invalid_json")
     try:
@@ -219,4 +233,4 @@ def parse_request(route: str, body: bytes) -> ParsedRequest:
     stream = obj.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestRejected(400, "'stream' must be true or false", "invalid_stream", "stream")
-    return ParsedRequest(body, obj)
+    return obj

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -12,7 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -40,6 +41,7 @@ log = logging.getLogger("infertap")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 _SETTINGS_ENV = "INFERTAP_SETTINGS_JSON"  # hands resolved settings to worker processes
+_ARGV_ENV = "INFERTAP_SERVE_ARGV"  # and the command line, so that a worker can reload the file
 _SIM_READY = "infertap-sim listening on "
 
 EPILOG = """\
@@ -154,19 +156,51 @@ def embedded_engine(settings: Settings) -> Iterator[str]:
             child.kill()
 
 
+def reloader(argv: list[str]) -> Callable[[], Settings]:
+    """What POST /admin/reload and SIGHUP apply: the command line resolved again (the file, the
+    environment, the flags)."""
+
+    def load() -> Settings:
+        return resolve_settings(build_parser().parse_args(argv))
+
+    return load
+
+
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
 
 
 def app_from_env() -> InfertapApp:
-    """uvicorn factory for worker processes: settings come resolved from the parent."""
+    """uvicorn factory for worker processes: settings come resolved from the parent. A worker that
+    uvicorn restarts (on SIGHUP to the supervisor) reads the file again."""
     from proxy.app import create_app
+    from proxy.reload import merged
 
     settings = Settings.model_validate_json(os.environ[_SETTINGS_ENV])
     # A worker is a fresh (spawned) process: the parent's logging set-up does not reach it, and
     # without this its infertap.* lines (the access log among them) would go nowhere.
     configure_logging(settings.server.log_level)
-    return create_app(settings)
+    reload = reloader(json.loads(os.environ[_ARGV_ENV])) if _ARGV_ENV in os.environ else None
+    if reload is not None:
+        try:
+            settings = merged(settings, reload())[0]
+        except ConfigError as e:
+            log.error("the configuration file was NOT reloaded (the one at start stays): %s", e)
+    return create_app(settings, reload=reload)
+
+
+def _admin_socket(host: str, port: int) -> socket.socket:
+    """The operator API's own listener ([server] admin_port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"server.admin_port {port} on {host}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 @contextmanager
@@ -189,7 +223,7 @@ def multiprocess_metrics() -> Iterator[str]:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def run(settings: Settings) -> None:
+def run(settings: Settings, argv: list[str] | None = None) -> None:
     s = settings.server
     common = dict(
         host=s.host,
@@ -210,7 +244,8 @@ def run(settings: Settings) -> None:
     if s.workers == 1:
         from proxy.app import create_app
 
-        config = uvicorn.Config(create_app(settings), **common)  # type: ignore[arg-type]
+        app = create_app(settings, reload=reloader(argv) if argv is not None else None)
+        config = uvicorn.Config(app, **common)  # type: ignore[arg-type]
         # Bind before start-up: uvicorn would run the lifespan (and log "Application startup
         # complete.") before finding the port taken. Several workers: uvicorn binds first itself.
         try:
@@ -220,13 +255,21 @@ def run(settings: Settings) -> None:
                 f"cannot listen on {s.host}:{s.port}: another process (another infertap?) has it, or the "
                 "address is not this machine's; choose another with --port or [server] port"
             ) from None
-        uvicorn.Server(config).run(sockets=[sock])
+        sockets = [sock]
+        if s.admin_port:
+            sockets.append(_admin_socket(s.admin_host, s.admin_port))
+        uvicorn.Server(config).run(sockets=sockets)
         return
     os.environ[_SETTINGS_ENV] = settings.model_dump_json()
+    if argv is not None:
+        os.environ[_ARGV_ENV] = json.dumps(argv)
     with multiprocess_metrics() as path:
         log.info("%d workers; metrics aggregated through %s", s.workers, path)
         config = uvicorn.Config("proxy.serve:app_from_env", factory=True, workers=s.workers, **common)  # type: ignore[arg-type]
-        _Supervisor(config, sockets=[config.bind_socket()]).run()
+        sockets = [config.bind_socket()]
+        if s.admin_port:
+            sockets.append(_admin_socket(s.admin_host, s.admin_port))
+        _Supervisor(config, sockets=sockets).run()
 
 
 class _Supervisor(Multiprocess):
@@ -275,7 +318,7 @@ def main(argv: list[str]) -> int:
     try:
         settings = resolve_settings(args)
         if settings.upstreams:
-            run(settings)
+            run(settings, argv)
             return 0
         with embedded_engine(settings) as url:
             log.info(
@@ -284,7 +327,7 @@ def main(argv: list[str]) -> int:
                 url,
             )
             settings = with_upstreams(settings, [UpstreamSettings(name="sim", base_url=url)])
-            run(settings)
+            run(settings, argv)
         return 0
     except ConfigError as e:
         print(f"infertap: {e}", file=sys.stderr)

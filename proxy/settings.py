@@ -31,6 +31,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from proxy.exchange import DEFAULT_PROMPT_CLASS_BOUNDS
+
 TAOTOKEN_BASE_URL = "https://taotoken.net/api"
 TAOTOKEN_HOST = "taotoken.net"
 
@@ -42,6 +44,13 @@ class _Section(BaseModel):
 class ServerSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
+    admin_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="serve the operator API (/admin/*) only on this port, at admin_host; none: on port",
+    )
+    admin_host: str = Field(default="127.0.0.1", description="the address of admin_port")
     workers: int = Field(default=1, ge=1, le=256)
     max_body_bytes: int = Field(default=10 * 1024 * 1024, gt=0, description="larger bodies get 413")
     max_concurrency: int = Field(default=0, ge=0, description="requests at once per worker; 0 = no cap")
@@ -126,6 +135,11 @@ class AuthSettings(_Section):
     metrics_token_env: str | None = Field(
         default=None, description="env variable with a bearer token that /metrics and /ui require"
     )
+    admin_token_env: str | None = Field(
+        default=None,
+        description="env variable with the bearer token that the operator API (/admin/*) requires; "
+        "unset: the operator API is off",
+    )
 
 
 class MetricsSettings(_Section):
@@ -136,7 +150,7 @@ class MetricsSettings(_Section):
         description="glob allow-list for the `model` label (default: the upstreams' model patterns)",
     )
     max_models: int = Field(default=100, ge=1, description="distinct model label values; the rest is 'other'")
-    prompt_class_bounds: list[int] = Field(default=[1024, 4096, 16384], min_length=1)
+    prompt_class_bounds: list[int] = Field(default=list(DEFAULT_PROMPT_CLASS_BOUNDS), min_length=1)
     ttft_buckets: list[float] | None = None
     itl_buckets: list[float] | None = None
     tpot_buckets: list[float] | None = None

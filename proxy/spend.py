@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from proxy.exchange import Exchange, Outcome
 from proxy.observer import Observer
+from proxy.routes import route_of
 from proxy.settings import SpendSettings
 
 log = logging.getLogger("infertap.spend")
@@ -60,7 +61,7 @@ def billed_tokens(ex: Exchange) -> tuple[int, int, int]:
     """(uncached prompt, cached prompt, completion) tokens, the same figures the token counters add."""
     prompt = ex.prompt_tokens if ex.prompt_tokens is not None else ex.estimated_prompt_tokens
     cached = min(ex.cached_tokens or 0, prompt)
-    completion = 0 if ex.route == "embeddings" else ex.output_tokens
+    completion = ex.output_tokens if route_of(ex.route).generation else 0
     return prompt - cached, cached, completion
 
 

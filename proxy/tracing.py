@@ -44,27 +44,20 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from opentelemetry.util.types import AttributeValue
 
 from proxy import __version__
+from proxy.errors import timeout_phase
 from proxy.exchange import Exchange, Outcome
 from proxy.genai_content import Budget, input_messages
 from proxy.observer import Observer
+from proxy.routes import route_of
 from proxy.settings import ConfigError, Settings, TracingSettings
 
 log = logging.getLogger("infertap.tracing")
 
 Attrs = dict[str, AttributeValue]
 
-OPERATIONS = {
-    "chat.completions": "chat",
-    "completions": "text_completion",
-    "responses": "chat",  # the GenAI conventions have no name of their own for the Responses API
-    "embeddings": "embeddings",
-}
 PROVIDER = "openai"
 PROTOCOLS = ("http/protobuf", "grpc")
 _CALLER_FAULTS = frozenset({Outcome.CLIENT_ERROR, Outcome.REJECTED})
-_TIMEOUTS = frozenset(
-    {Outcome.CONNECT_TIMEOUT, Outcome.TTFT_TIMEOUT, Outcome.IDLE_TIMEOUT, Outcome.TOTAL_TIMEOUT}
-)
 _MAX_DESCRIPTION = 512
 # Proposed Exchange field: how many characters of the answer the core should collect.
 
@@ -166,7 +159,7 @@ def _number(v: Any) -> bool:
 
 
 def _request_attrs(ex: Exchange) -> tuple[str, Attrs]:
-    op = OPERATIONS.get(ex.route)
+    op = route_of(ex.route).operation
     attrs: Attrs = {"infertap.request_id": ex.request_id, "infertap.client": ex.client}
     if op is None:
         name = f"{ex.method} {ex.route}"
@@ -325,16 +318,7 @@ class TracingObserver(Observer):
         if st is not None and ex.first_token_at is not None and ex.ttft is not None:
             st.server.add_event("first_token", {"infertap.ttft_s": ex.ttft}, _wall(ex, ex.first_token_at))
 
-    def finished(self, ex: Exchange) -> None:
-        self._end(ex)
-
-    def failed(self, ex: Exchange) -> None:
-        self._end(ex)
-
-    def client_disconnected(self, ex: Exchange) -> None:
-        self._end(ex)
-
-    def _end(self, ex: Exchange) -> None:
+    def ended(self, ex: Exchange) -> None:
         st: _State | None = ex.scratch.pop(self.name, None)
         if st is None:
             return
@@ -355,10 +339,9 @@ class TracingObserver(Observer):
             server.add_event("first_answer_token", answer, _wall(ex, ex.first_answer_at))
         if self.capture_content:
             server.set_attributes(self._content(ex))
-        if outcome in _TIMEOUTS:
-            server.add_event(
-                "timeout", {"infertap.timeout.phase": outcome.value.removesuffix("_timeout")}, end
-            )
+        phase = timeout_phase(outcome.value)
+        if phase is not None:
+            server.add_event("timeout", {"infertap.timeout.phase": phase}, end)
         elif outcome is Outcome.CLIENT_DISCONNECT:
             phase = (
                 "before_first_byte"

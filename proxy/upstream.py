@@ -1,63 +1,16 @@
-"""Upstreams: the routing table (model -> upstream), the shared HTTP client, and how failures are named."""
+"""Upstreams: the routing table (model -> upstream), retry policy and circuit breaker."""
 
 from __future__ import annotations
 
 import fnmatch
 import random
-import time
 from dataclasses import dataclass, field
-from enum import StrEnum
 from urllib.parse import urlsplit
-
-import aiohttp
 
 from proxy.circuit import Breaker
 from proxy.request import display_url
 from proxy.settings import RetrySettings, Settings, UpstreamSettings
-
-
-class ErrorKind(StrEnum):
-    """Why an upstream attempt failed. The values double as `outcome` labels and JSON error types."""
-
-    CONNECT_TIMEOUT = "connect_timeout"
-    CONNECT_ERROR = "connect_error"
-    TTFT_TIMEOUT = "ttft_timeout"
-    IDLE_TIMEOUT = "idle_timeout"
-    TOTAL_TIMEOUT = "total_timeout"
-    READ_ERROR = "stream_interrupted"
-    UPSTREAM_429 = "rate_limited"
-    UPSTREAM_5XX = "upstream_error"
-    # The upstream rejected the stream_options infertap added: asked again at once without it (a
-    # retry reason only, never a request's outcome).
-    STREAM_OPTIONS = "stream_options_rejected"
-
-
-# Most specific first: aiohttp's exception classes form a hierarchy (its timeouts are also
-# TimeoutErrors, so they must be told apart from infertap's own deadlines before those are).
-_EXCEPTION_KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
-    (aiohttp.ConnectionTimeoutError, ErrorKind.CONNECT_TIMEOUT),
-    (aiohttp.SocketTimeoutError, ErrorKind.IDLE_TIMEOUT),
-    (aiohttp.ServerTimeoutError, ErrorKind.IDLE_TIMEOUT),
-    (aiohttp.ClientConnectorError, ErrorKind.CONNECT_ERROR),
-    (aiohttp.ServerDisconnectedError, ErrorKind.READ_ERROR),
-    (aiohttp.ClientPayloadError, ErrorKind.READ_ERROR),
-    (aiohttp.ClientResponseError, ErrorKind.UPSTREAM_5XX),
-    (aiohttp.ClientConnectionError, ErrorKind.READ_ERROR),
-)
-
-
-def classify(exc: BaseException) -> ErrorKind:
-    for exc_type, kind in _EXCEPTION_KINDS:
-        if isinstance(exc, exc_type):
-            return kind
-    return ErrorKind.UPSTREAM_5XX
-
-
-def describe(exc: BaseException) -> str:
-    """A short, key-free description of a transport failure."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
+from proxy.upstream_client import Timeouts
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 
@@ -86,7 +39,7 @@ class Upstream:
     headers: dict[str, str]
     api_key_env: str | None
     api_key: str | None = field(repr=False)
-    timeout: aiohttp.ClientTimeout
+    timeout: Timeouts
     ttft_timeout: float
     total_timeout: float | None
     retry: RetryPolicy
@@ -110,9 +63,7 @@ class Upstream:
             dict(s.headers),
             s.api_key_env,
             s.api_key(),
-            aiohttp.ClientTimeout(
-                total=None, connect=t.connect + t.pool, sock_connect=t.connect, sock_read=t.idle
-            ),
+            Timeouts(t.connect, t.pool, t.idle),
             t.ttft,
             t.total,
             RetryPolicy.from_settings(s.effective_retry(settings.retry)),
@@ -147,8 +98,8 @@ class Router:
     def __init__(self, upstreams: list[Upstream], default: Upstream) -> None:
         self.upstreams = upstreams
         self.default = default
-        self._by_name = {u.name: u for u in upstreams}
-        self._plans = {u.name: [u, *(self._by_name[f] for f in u.fallback)] for u in upstreams}
+        by_name = {u.name: u for u in upstreams}
+        self._plans = {u.name: [u, *(by_name[f] for f in u.fallback)] for u in upstreams}
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Router:
@@ -168,65 +119,3 @@ class Router:
     def plan(self, first: Upstream) -> list[Upstream]:
         """The routed upstream, then its fallbacks, in order."""
         return self._plans[first.name]
-
-    def by_name(self, name: str) -> Upstream | None:
-        return self._by_name.get(name)
-
-
-class StampedRequest(aiohttp.ClientRequest):
-    """aiohttp's request, noting when its last byte went to the socket: the end of infertap's
-    intake overhead. The response carries the stamp (`sent_at(resp)`) in a one-slot list that
-    refers to nothing, so no reference cycle is made for the GC to collect."""
-
-    _infertap_sent: list[float] | None = None
-
-    async def send(self, conn: aiohttp.connector.Connection) -> aiohttp.ClientResponse:
-        sent = self._infertap_sent = [0.0]
-        resp = await super().send(conn)
-        resp._infertap_sent = sent  # type: ignore[attr-defined]
-        if not sent[0] and self._writer is None:  # nothing left to write: headers were all
-            sent[0] = time.perf_counter()
-        return resp
-
-    async def write_bytes(
-        self,
-        writer: aiohttp.abc.AbstractStreamWriter,
-        conn: aiohttp.connector.Connection,
-        content_length: int | None = None,
-    ) -> None:
-        await super().write_bytes(writer, conn, content_length)
-        if self._infertap_sent is not None:
-            self._infertap_sent[0] = time.perf_counter()
-
-
-def sent_at(resp: aiohttp.ClientResponse) -> float | None:
-    """When the request behind `resp` was written (None: not known)."""
-    sent: list[float] | None = getattr(resp, "_infertap_sent", None)
-    return sent[0] or None if sent is not None else None
-
-
-def make_client(max_connections: int = 1000) -> aiohttp.ClientSession:
-    """One pooled client for all upstreams. Must be created inside the running event loop.
-
-    aiohttp rather than httpx for the upstream side: its C parser and stream reader cost a
-    fraction of httpx's per chunk, and its pool does not scan every connection on each request
-    (httpcore's does, which dominated infertap's CPU at high concurrency; docs/benchmarks.md).
-    No environment proxies (a stray HTTP_PROXY would buffer streams), no cookies, no
-    decompression (bytes are relayed unchanged), no redirects.
-    """
-    connector = aiohttp.TCPConnector(
-        limit=max_connections,
-        limit_per_host=0,
-        # Expire idle connections before a typical server's 5 s keep-alive closes them under us.
-        keepalive_timeout=4.0,
-        ttl_dns_cache=300,
-    )
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=aiohttp.ClientTimeout(total=None),
-        trust_env=False,
-        auto_decompress=False,
-        cookie_jar=aiohttp.DummyCookieJar(),
-        skip_auto_headers=("User-Agent",),
-        request_class=StampedRequest,
-    )

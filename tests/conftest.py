@@ -87,7 +87,8 @@ class RecordingObserver(Observer):
         return sum(h in self.TERMINAL for h in self.hooks_for(rid))
 
     def wait_terminal(self, rid: str, timeout: float = 10.0) -> Exchange:
-        wait_until(lambda: self.terminal_count(rid) >= 1, timeout, f"terminal hook of {rid}")
+        """Waits for the request's `ended`, which follows its terminal hook."""
+        wait_until(lambda: "ended" in self.hooks_for(rid), timeout, f"terminal hook of {rid}")
         return self.exchanges[rid]
 
 

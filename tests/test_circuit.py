@@ -116,7 +116,7 @@ def proxy_app(settings: Settings) -> Iterator[tuple[str, InfertapApp]]:
 
 def half_open(app: InfertapApp, name: str) -> Callable[[], bool]:
     """The upstream's cool-down is over: the next attempt there is its probe."""
-    up = app.runtime.router.by_name(name)
+    up = next((u for u in app.routing.upstreams if u.name == name), None)
     assert up is not None
     return lambda: up.breaker.state(time.monotonic()) == "half_open"
 

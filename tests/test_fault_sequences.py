@@ -288,7 +288,7 @@ def _run_example(w: World, steps: list[Any]) -> None:
             # Healing: every upstream is back in service within its cool-down plus one probe.
             w.a.broken = w.b.broken = False
             for name in ("a", "b"):
-                up = app.runtime.router.by_name(name)
+                up = next((u for u in app.routing.upstreams if u.name == name), None)
                 assert up is not None
                 wait_until(lambda up=up: up.breaker.state(time.monotonic()) != "open", 5, f"{name} cool-down")  # type: ignore[misc]
                 probe = _send(proxy, f"heal-{name}", Req("chat", name, False, False, "ok", "never"))

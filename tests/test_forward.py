@@ -142,8 +142,8 @@ def test_exactly_one_terminal_hook(
         rec.wait_terminal("t1")
         hooks = rec.hooks_for("t1")
     assert hooks[0] == "request_received"
-    assert hooks[-1] == expected_terminal
-    assert rec.terminal_count("t1") == 1
+    assert hooks[-2:] == [expected_terminal, "ended"]
+    assert rec.terminal_count("t1") == 1 and hooks.count("ended") == 1
 
 
 def test_upstream_cut_mid_stream_makes_the_sdk_raise(fake: tuple[FakeUpstream, str]) -> None:
@@ -182,7 +182,7 @@ def test_client_disconnect_cancels_upstream(fake: tuple[FakeUpstream, str], wher
         assert upstream.disconnected.wait(10), "the upstream never saw its connection closed"
         ex = rec.wait_terminal("gone")
         assert ex.outcome == "client_disconnect"
-        assert rec.hooks_for("gone")[-1] == "client_disconnected"
+        assert rec.hooks_for("gone")[-2:] == ["client_disconnected", "ended"]
         assert rec.terminal_count("gone") == 1
         assert (ex.first_token_at is None) == (where != "after-first")
 

@@ -92,7 +92,7 @@ def test_the_observer_asks_for_the_window_and_scores_once() -> None:
     det.request_received(ex)
     assert ex.capture_output_chars == 4096
     ex.output_text = "Once upon a time. " + "We go round and round. " * 40
-    det.finished(ex)
+    det.ended(ex)
     assert [r for r, _ in flagged] == ["r1"] and flagged[0][1] >= 0.5
     emb = Exchange(request_id="r2", route="embeddings", method="POST", path="/v1/embeddings")
     det.request_received(emb)
@@ -101,7 +101,7 @@ def test_the_observer_asks_for_the_window_and_scores_once() -> None:
     det.request_received(varied)
     assert varied.capture_output_chars == 500
     varied.output_text = PROSE[0]
-    det.client_disconnected(varied)
+    det.ended(varied)
     assert len(flagged) == 1
 
 

@@ -461,7 +461,7 @@ def test_content_is_captured_only_when_asked_and_truncated() -> None:
         ex.finished_at = ex.received_at + 0.5
         ex.outcome = Outcome.OK
         ex.finish_reasons = ["stop"]
-        observer.finished(ex)
+        observer.ended(ex)
 
     messages = [
         {"role": "system", "content": "be brief"},

@@ -19,10 +19,12 @@ from collections.abc import Callable
 from typing import Any
 
 from proxy import __version__
+from proxy.errors import TIMEOUT_PHASES
 from proxy.exchange import Exchange, Outcome
-from proxy.metrics import NONE, TIMEOUT_PHASES, ModelLabels
+from proxy.model_labels import NONE, ModelLabels
 from proxy.observer import Observer
 from proxy.request import display_url
+from proxy.routes import route_of
 from proxy.settings import Settings
 from proxy.ui.data import (
     QUANTILES,
@@ -97,16 +99,7 @@ class UIObserver(Observer):
     def upstream_health(self, ex: Exchange, upstream: str, up: bool) -> None:
         self.health[upstream] = (up, self.wall())
 
-    def finished(self, ex: Exchange) -> None:
-        self._end(ex)
-
-    def failed(self, ex: Exchange) -> None:
-        self._end(ex)
-
-    def client_disconnected(self, ex: Exchange) -> None:
-        self._end(ex)
-
-    def _end(self, ex: Exchange) -> None:
+    def ended(self, ex: Exchange) -> None:
         model, routed = ex.scratch.get("ui") or (self.model_label(ex.model), ex.upstream or NONE)
         upstream = ex.upstream or NONE
         outcome = ex.outcome.value if ex.outcome is not None else NONE
@@ -125,7 +118,7 @@ class UIObserver(Observer):
         if ttft is not None and ex.first_token_at is not None:
             self._step(model, ex.first_token_at, now).ttft.add(ttft, self.cap, self.rng)
         prompt = ex.prompt_tokens if ex.prompt_tokens is not None else ex.estimated_prompt_tokens
-        completion = 0 if ex.route == "embeddings" else ex.output_tokens
+        completion = ex.output_tokens if route_of(ex.route).generation else 0
         if outcome == _OK:
             tpot = ex.tpot
             if tpot is not None:

@@ -1,0 +1,121 @@
+"""The operator API and the OpenAPI document: typed answers, the admin token, secrets redacted."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import TypeAdapter
+
+from proxy.admin import EffectiveConfig, UpstreamState
+from proxy.settings import AuthSettings, ServerSettings, Settings, UpstreamSettings
+from proxy.tools.fake_upstream import FakeUpstream
+from tests.conftest import free_port, make_settings, run_proxy, serve_in_thread
+
+TOKEN = "admin-token-for-tests"
+UPSTREAM_KEY = "sk-upstream-secret-value"
+HEADER_SECRET = "header-secret-value"
+
+
+@pytest.fixture
+def admin_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("INFERTAP_TEST_ADMIN", TOKEN)
+    monkeypatch.setenv("INFERTAP_TEST_UPKEY", UPSTREAM_KEY)
+    yield
+
+
+def _settings(url: str, **extra: Any) -> Settings:
+    up = UpstreamSettings(
+        name="fake",
+        base_url=url,
+        api_key_env="INFERTAP_TEST_UPKEY",
+        models=["fake-*"],
+        headers={"x-tenant-secret": HEADER_SECRET},
+    )
+    return Settings(upstreams=[up], **extra)
+
+
+def test_admin_routes_need_their_token(admin_env: None, fake: tuple[FakeUpstream, str]) -> None:
+    _, url = fake
+    settings = _settings(url, auth=AuthSettings(admin_token_env="INFERTAP_TEST_ADMIN"))
+    with run_proxy(settings) as proxy:
+        for path in ("/admin/upstreams", "/admin/config"):
+            for given in (None, "Bearer wrong", TOKEN):
+                headers = {"authorization": given} if given else {}
+                r = httpx.get(proxy + path, headers=headers)
+                assert r.status_code == 401, (path, given)
+                assert r.json()["error"]["code"] == "invalid_api_key"
+                assert r.headers["www-authenticate"] == "Bearer"
+        ok = {"authorization": f"Bearer {TOKEN}"}
+        ups = TypeAdapter(list[UpstreamState]).validate_python(
+            httpx.get(proxy + "/admin/upstreams", headers=ok).json()
+        )
+        assert [(u.name, u.default, u.circuit.state, u.in_flight) for u in ups] == [
+            ("fake", True, "closed", 0)
+        ]
+        # Traffic shows up: requests, recent TTFT p50.
+        chat = {"model": "fake-1", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        assert httpx.post(proxy + "/v1/chat/completions", json=chat).status_code == 200
+        (up,) = TypeAdapter(list[UpstreamState]).validate_python(
+            httpx.get(proxy + "/admin/upstreams", headers=ok).json()
+        )
+        assert up.requests == 1 and up.ttft_p50_seconds is not None and up.tpot_p50_seconds is not None
+        assert up.last_failure is None and up.in_flight == 0
+        cfg = EffectiveConfig.model_validate(httpx.get(proxy + "/admin/config", headers=ok).json())
+        assert "upstreams" in cfg.reloadable and cfg.reloaded_at is None
+        assert cfg.config["upstreams"][0]["api_key_env"] == "INFERTAP_TEST_UPKEY"
+        assert cfg.config["auth"]["admin_token_env"] == "INFERTAP_TEST_ADMIN"
+        text = httpx.get(proxy + "/admin/config", headers=ok).text
+        for secret in (TOKEN, UPSTREAM_KEY, HEADER_SECRET):
+            assert secret not in text
+
+
+def test_without_a_token_setting_the_operator_api_is_off(fake: tuple[FakeUpstream, str]) -> None:
+    _, url = fake
+    with run_proxy(make_settings(("fake", url))) as proxy:
+        r = httpx.get(proxy + "/admin/upstreams", headers={"authorization": "Bearer anything"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_api_off"
+        assert httpx.post(proxy + "/admin/reload").status_code == 403
+
+
+def test_docs_and_openapi_document_the_operator_api_and_the_proxied_routes(
+    fake: tuple[FakeUpstream, str],
+) -> None:
+    _, url = fake
+    with run_proxy(make_settings(("fake", url))) as proxy:
+        docs = httpx.get(proxy + "/docs")
+        assert docs.status_code == 200 and "swagger" in docs.text.lower()
+        spec = httpx.get(proxy + "/openapi.json").json()
+    paths = spec["paths"]
+    assert {"/admin/upstreams", "/admin/config", "/admin/reload", "/healthz", "/readyz", "/v1/models"} <= set(
+        paths
+    )
+    assert "post" in paths["/admin/reload"] and "get" in paths["/admin/upstreams"]
+    assert paths["/admin/upstreams"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+    chat = paths["/v1/chat/completions"]["post"]
+    assert "X-Request-Id" in chat["responses"]["200"]["headers"]
+    assert "X-Accel-Buffering" in chat["responses"]["200"]["headers"]
+    assert chat["responses"]["502"]["content"]["application/json"]["schema"]["$ref"].endswith("ErrorResponse")
+    assert "/v1/{path}" in paths and "/v1/embeddings" in paths
+    assert "UpstreamState" in spec["components"]["schemas"]
+
+
+def test_admin_port_keeps_the_operator_api_off_the_public_port(
+    admin_env: None, fake: tuple[FakeUpstream, str]
+) -> None:
+    _, url = fake
+    from proxy.app import create_app
+
+    admin_port = free_port()
+    settings = make_settings(
+        ("fake", url),
+        auth=AuthSettings(admin_token_env="INFERTAP_TEST_ADMIN"),
+        server=ServerSettings(admin_port=admin_port),
+    )
+    ok = {"authorization": f"Bearer {TOKEN}"}
+    with serve_in_thread(create_app(settings)) as proxy:
+        r = httpx.get(proxy + "/admin/upstreams", headers=ok)
+        assert r.status_code == 404 and f"port {admin_port}" in r.json()["error"]["message"]
+        assert httpx.get(proxy + "/healthz").status_code == 200

@@ -1,0 +1,139 @@
+"""The core against a scripted transport, through the seam (proxy.upstream_client).
+
+A real client and a real infertap (uvicorn on 127.0.0.1:0); only the upstream side is a script:
+each send takes the next step, which fails the send or answers with chunks that may break.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+from proxy.app import create_app
+from proxy.errors import ErrorKind, UpstreamError
+from proxy.settings import RetrySettings
+from proxy.upstream_client import Timeouts, UpstreamClient, UpstreamResponse
+from tests.conftest import RecordingObserver, make_settings, serve_in_thread
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+EVENTS = [
+    b'data: {"choices":[{"delta":{"role":"assistant"}}]}\n\n',
+    b'data: {"choices":[{"delta":{"content":"Hello"}}]}\n\n',
+    b'data: {"choices":[{"delta":{"content":" world"}}]}\n\n',
+    b"data: [DONE]\n\n",
+]
+
+
+@dataclass
+class Scripted:
+    """One scripted answer: `body` items are relayed in order; an UpstreamError among them is a
+    read that fails there."""
+
+    status: int = 200
+    body: list[bytes | UpstreamError] = field(default_factory=lambda: list(EVENTS))
+    content_type: str = "text/event-stream"
+    ended: str = ""  # "release" or "close": how the core let go of it
+    sent_at: float | None = None  # a scripted answer was never written anywhere
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        return {"content-type": self.content_type}
+
+    @property
+    def raw_headers(self) -> Sequence[tuple[bytes, bytes]]:
+        return [(b"content-type", self.content_type.encode())]
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        for item in self.body:
+            if isinstance(item, UpstreamError):
+                raise item
+            yield item
+
+    async def read(self) -> bytes:
+        return b"".join(b for b in self.body if isinstance(b, bytes))
+
+    def release(self) -> None:
+        self.ended = self.ended or "release"
+
+    def close(self) -> None:
+        self.ended = self.ended or "close"
+
+
+class ScriptedClient:
+    errors: tuple[type[BaseException], ...] = ()
+
+    def __init__(self, *steps: Scripted | UpstreamError) -> None:
+        self.steps = deque(steps)
+        self.sent: list[tuple[str, str, dict[str, str], bytes | None]] = []
+        self.closed = False
+
+    async def send(
+        self, method: str, url: str, headers: Mapping[str, str], body: bytes | None, timeouts: Timeouts
+    ) -> UpstreamResponse:
+        self.sent.append((method, url, dict(headers), body))
+        step = self.steps.popleft()
+        if isinstance(step, UpstreamError):
+            raise step
+        return step
+
+    async def fetch(self, url: str, headers: Mapping[str, str], timeout: float) -> tuple[int, bytes]:
+        return 200, b'{"object":"list","data":[{"id":"m"}]}'
+
+    def error(self, exc: BaseException) -> UpstreamError:
+        assert isinstance(exc, UpstreamError)
+        return exc
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def run(client: ScriptedClient, rid: str) -> tuple[httpx.Response, RecordingObserver]:
+    rec = RecordingObserver()
+    settings = make_settings(("up", "http://upstream.invalid/v1"), retry=RetrySettings(backoff_seconds=0))
+
+    def factory() -> UpstreamClient:
+        return client
+
+    with serve_in_thread(create_app(settings, (rec,), client=factory)) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers={"x-request-id": rid}, timeout=10)
+        rec.wait_terminal(rid)
+    assert client.closed, "the app's lifespan closes the client it made"
+    return r, rec
+
+
+def test_a_failed_send_is_retried_and_the_answer_relayed_unchanged() -> None:
+    answer = Scripted()
+    client = ScriptedClient(UpstreamError(ErrorKind.CONNECT_ERROR, None, "refused"), answer)
+    r, rec = run(client, "retry")
+    assert r.status_code == 200 and r.content == b"".join(EVENTS)
+    ex = rec.exchanges["retry"]
+    assert (ex.outcome, ex.attempts, ex.retries) == ("ok", 2, 1)
+    assert answer.ended == "release"
+    method, url, headers, _ = client.sent[1]
+    assert (method, url, headers["x-request-id"]) == (
+        "POST",
+        "http://upstream.invalid/v1/chat/completions",
+        "retry",
+    )
+
+
+def test_a_read_that_fails_after_the_first_token_is_an_in_band_error() -> None:
+    broken = Scripted(body=[*EVENTS[:2], UpstreamError(ErrorKind.READ_ERROR, None, "reset by peer")])
+    r, rec = run(ScriptedClient(broken), "cut")
+    assert r.status_code == 200
+    assert r.content.startswith(b"".join(EVENTS[:2]))
+    tail = r.content[len(b"".join(EVENTS[:2])) :]
+    assert b'"type":"stream_interrupted"' in tail and b"reset by peer" in tail
+    assert rec.exchanges["cut"].outcome == "stream_interrupted"
+    assert broken.ended == "close", "a broken answer's connection is dropped, not reused"
+
+
+def test_every_attempt_failing_ends_with_the_last_kind_and_its_status() -> None:
+    timeout = UpstreamError(ErrorKind.CONNECT_TIMEOUT, None, "slow")
+    r, rec = run(ScriptedClient(timeout, timeout, timeout), "down")
+    assert r.status_code == 504
+    assert r.json()["error"]["type"] == "connect_timeout"
+    assert rec.exchanges["down"].attempts == 3
