@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import sys
 import time
 from array import array
@@ -44,6 +45,11 @@ class Job:
     tokens: int = 100
     timeout_s: float = 60.0
     authorization: str = ""  # a client key, for an infertap that requires one
+    # Open loop: `rate` streams per second arriving as a Poisson process (seeded, so that every
+    # target of a round sees the same arrivals), however slowly the target answers; `concurrency`
+    # connections are opened up front and more as needed. 0: a closed loop of `concurrency` slots.
+    rate: float = 0.0
+    seed: int = 0
 
 
 @dataclass(slots=True)
@@ -232,6 +238,60 @@ def _check(job: Job, out: _Outcome) -> str | None:
     return None
 
 
+async def _one(job: Job, res: JobResult, data: bytes, conn: ClientConnection) -> bool:
+    """One request on `conn`, recorded in `res`; False when the connection cannot be reused."""
+    t0 = time.perf_counter()
+    try:
+        out = await asyncio.wait_for(conn.request(data), job.timeout_s)
+    except TimeoutError:
+        res.errors[f"no complete answer within {job.timeout_s:g} s"] += 1
+        if conn.transport is not None:
+            conn.transport.close()
+        return False
+    problem = _check(job, out)
+    if problem:
+        res.errors[problem] += 1
+        return not conn.closed
+    res.ok += 1
+    res.e2e.append(out.end - t0)
+    times = out.times
+    if times:
+        res.ttft.append(times[0] - t0)
+        res.tokens += len(times)
+        res.gaps.extend(b - a for a, b in zip(times, times[1:], strict=False))
+    else:
+        res.tokens += job.tokens  # non-streaming: the answer held them all
+    return not conn.closed
+
+
+async def _open_loop(job: Job, res: JobResult, data: bytes, idle: list[ClientConnection]) -> JobResult:
+    """Poisson arrivals at `job.rate`: a request starts when its time comes, not when an earlier
+    one ends, so a slow target faces a growing queue instead of a slower load (closed loops hide
+    that, and start their streams in synchronised waves)."""
+    rng = random.Random(job.seed)
+    perf = time.perf_counter
+
+    async def one() -> None:
+        conn = idle.pop() if idle else await _connect(job.host, job.port)
+        if await _one(job, res, data, conn):
+            idle.append(conn)
+
+    tasks: list[asyncio.Task[None]] = []
+    start = due = perf()
+    for _ in range(job.count):
+        due += rng.expovariate(job.rate)
+        wait = due - perf()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        tasks.append(asyncio.create_task(one()))
+    await asyncio.gather(*tasks)
+    res.wall_s = perf() - start
+    for conn in idle:
+        if conn.transport is not None:
+            conn.transport.close()
+    return res
+
+
 async def run_job(job: Job) -> JobResult:
     res = JobResult(requests=job.count)
     data = request_bytes(job)
@@ -239,34 +299,16 @@ async def run_job(job: Job) -> JobResult:
     conns = await asyncio.gather(*(_connect(job.host, job.port) for _ in range(job.concurrency)))
     issued = 0
 
+    if job.rate > 0:
+        return await _open_loop(job, res, data, conns)
+
     async def slot(conn: ClientConnection) -> None:
         nonlocal issued
         while issued < job.count:
             issued += 1
             if conn.closed:
                 conn = await _connect(job.host, job.port)
-            t0 = time.perf_counter()
-            try:
-                out = await asyncio.wait_for(conn.request(data), job.timeout_s)
-            except TimeoutError:
-                res.errors[f"no complete answer within {job.timeout_s:g} s"] += 1
-                if conn.transport is not None:
-                    conn.transport.close()
-                continue
-            problem = _check(job, out)
-            if problem:
-                res.errors[problem] += 1
-                continue
-            res.ok += 1
-            res.e2e.append(out.end - t0)
-            times = out.times
-            if times:
-                res.ttft.append(times[0] - t0)
-                res.tokens += len(times)
-                res.gaps.extend(b - a for a, b in zip(times, times[1:], strict=False))
-            else:
-                res.tokens += job.tokens  # non-streaming: the answer held them all
-
+            await _one(job, res, data, conn)
         if conn.transport is not None:
             conn.transport.close()
 

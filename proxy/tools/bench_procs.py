@@ -254,14 +254,14 @@ class Infertap:
         self.port = free_port()
         cmd = [
             sys.executable, "-m", "proxy", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-            "--upstream", f"bench={upstream_url}/v1", "--log-level", "warning",
+            "--upstream", f"bench={upstream_url}/v1",
         ]  # fmt: skip
         if workers > 1:
             cmd += ["--workers", str(workers)]
         # Hermetic: the caller's INFERTAP_* or OTEL_* settings (a config file, client keys, an OTLP
         # endpoint) would change what is measured.
+        # Otherwise as users run it: the defaults, the access log (one line per request) included.
         env = {k: v for k, v in os.environ.items() if not k.startswith(("INFERTAP_", "OTEL_"))}
-        env["INFERTAP_METRICS__ACCESS_LOG"] = "false"
         env.update(extra_env or {})
         if tracing_to:
             env["OTEL_EXPORTER_OTLP_ENDPOINT"] = tracing_to
