@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -38,6 +39,20 @@ async def read_body(receive: Receive, limit: int) -> bytes:
         if not message.get("more_body", False):
             break
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def watch_disconnect(receive: Receive, on_gone: Callable[[], object]) -> asyncio.Task[None]:
+    """The one disconnect watcher (the core, the simulated engine, the test upstream): a task that
+    reads what is left of the request and calls `on_gone` when the client disconnects. A streamed
+    answer notices a disconnect only at its next send; whatever is awaited meanwhile (an upstream,
+    a queue) would hold on. Cancel the task when the answer is done."""
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        on_gone()
+
+    return asyncio.create_task(watch())
 
 
 def header(scope: Scope, name: bytes) -> str | None:

@@ -13,11 +13,11 @@ from proxy import __version__
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("proxy.serve", "run the proxy (on an embedded simulated engine when no upstream is set)"),
     "sim": ("proxy.sim.cli", "run the simulated OpenAI-compatible engine (prefill/decode/KV-cache model)"),
-    "probe": ("proxy.tools.probe", "stream requests to a base URL and report TTFT, TPOT and TPS"),
-    "compare": ("proxy.tools.compare", "A/B two targets: TTFT and TPOT side by side, with a verdict"),
+    "probe": ("proxy.tools.probe.cli", "stream requests to a base URL and report TTFT, TPOT and TPS"),
+    "compare": ("proxy.tools.probe.compare", "A/B two targets: TTFT and TPOT side by side, with a verdict"),
     "engine-args": ("proxy.tools.engine_args", "turn an engine config.toml into vLLM/SGLang/LMDeploy flags"),
-    "doctor": ("proxy.tools.doctor", "diagnose the common prefill/decode faults from /metrics"),
-    "bench": ("proxy.tools.bench", "benchmark infertap's overhead against a direct connection"),
+    "doctor": ("proxy.tools.doctor.cli", "diagnose the common prefill/decode faults from /metrics"),
+    "bench": ("proxy.tools.bench.cli", "benchmark infertap's overhead against a direct connection"),
     "soak": ("proxy.tools.soak", "many concurrent streams with faults, checked byte for byte"),
 }
 

@@ -17,7 +17,17 @@ import math
 import time
 from typing import Any
 
-from proxy.asgi import BodyTooLarge, ClientGone, RawHeaders, Receive, Scope, Send, read_body, send_error
+from proxy.asgi import (
+    BodyTooLarge,
+    ClientGone,
+    RawHeaders,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    send_error,
+    watch_disconnect,
+)
 from proxy.attempt import Attempter, Call, Failure, Ready
 from proxy.circuit import PANIC, Permit
 from proxy.errors import ERRORS, ErrorKind, describe, outcome_of
@@ -192,15 +202,13 @@ class Forwarder:
         assert task is not None
         gone = False
 
-        async def watch() -> None:
+        def left() -> None:
             nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
             gone = True
             task.cancel()
 
         ex = call.ex
-        watcher = asyncio.create_task(watch())
+        watcher = watch_disconnect(receive, left)
         total = call.upstream.total_timeout
         self.tasks.add(task)
         try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import math
@@ -24,6 +23,7 @@ from pydantic import ValidationError
 from uvicorn.supervisors import Multiprocess
 
 from proxy import __version__
+from proxy.oslimits import raise_nofile
 from proxy.settings import (
     TAOTOKEN_BASE_URL,
     ConfigError,
@@ -177,14 +177,6 @@ def configure_logging(level: str) -> None:
     logging.logMultiprocessing = False
 
 
-def settle_heap() -> None:
-    """Start-up's objects (modules, settings, the app) move out of the cyclic GC's reach: every
-    later full collection would walk them again, and under load one took 30-75 ms, a stall for
-    every stream in flight (docs/benchmarks.md)."""
-    gc.collect()
-    gc.freeze()
-
-
 def app_from_env() -> InfertapApp:
     """uvicorn factory for worker processes: settings come resolved from the parent. A worker that
     uvicorn restarts (on SIGHUP to the supervisor) reads the file again."""
@@ -202,7 +194,7 @@ def app_from_env() -> InfertapApp:
         except ConfigError as e:
             log.error("the configuration file was NOT reloaded (the one at start stays): %s", e)
     app = create_app(settings, reload=reload)
-    settle_heap()
+    app.freeze_heap = True
     return app
 
 
@@ -262,6 +254,7 @@ def run(settings: Settings, argv: list[str] | None = None) -> None:
         from proxy.app import create_app
 
         app = create_app(settings, reload=reloader(argv) if argv is not None else None)
+        app.freeze_heap = True
         config = uvicorn.Config(app, **common)  # type: ignore[arg-type]
         # Bind before start-up: uvicorn would run the lifespan (and log "Application startup
         # complete.") before finding the port taken. Several workers: uvicorn binds first itself.
@@ -275,7 +268,6 @@ def run(settings: Settings, argv: list[str] | None = None) -> None:
         sockets = [sock]
         if s.admin_port:
             sockets.append(_admin_socket(s.admin_host, s.admin_port))
-        settle_heap()
         uvicorn.Server(config).run(sockets=sockets)
         return
     os.environ[_SETTINGS_ENV] = settings.model_dump_json()
@@ -306,18 +298,6 @@ class _Supervisor(Multiprocess):
         self.signal_queue.append(signum)
 
 
-def _raise_fd_limit() -> None:
-    """Each stream holds two sockets (client and upstream): the usual soft limit of 1024 files
-    would cap infertap near 500 concurrent streams, far below what the hard limit allows."""
-    try:
-        import resource
-    except ImportError:  # not on POSIX
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
 class _Terminated(Exception):
     """SIGTERM arrived. uvicorn shuts down gracefully on it and then raises the signal again; under
     the default disposition that would end the process at once and skip the cleanup in main (the
@@ -331,7 +311,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    _raise_fd_limit()
+    raise_nofile()
     configure_logging(args.log_level or "info")
     try:
         settings = resolve_settings(args)

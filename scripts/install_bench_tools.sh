@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What `infertap bench` uses besides infertap: nginx (Debian's nginx-light), the reference row that
-# every table compares infertap with (proxy/tools/bench_nginx.py). Without it the bench still runs,
+# every table compares infertap with (proxy/tools/bench/nginx.py). Without it the bench still runs,
 # and says that the nginx row is missing. Idempotent. Debian's package would start nginx on port 80
 # where an init system runs; policy-rc.d keeps it from starting, and none is left running.
 set -euo pipefail

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from proxy.tools import bench_upstream as up
-from proxy.tools.bench import scenarios
-from proxy.tools.bench_client import ClientConnection, Job, _check, run_job
-from proxy.tools.bench_nginx import find_nginx
-from proxy.tools.bench_report import median_row, targets
+from proxy.tools.bench import upstream as up
+from proxy.tools.bench.cli import scenarios
+from proxy.tools.bench.loadgen import ClientConnection, Job, _check, run_job
+from proxy.tools.bench.nginx import find_nginx
+from proxy.tools.bench.report import median_row, targets
 
 ROOT = Path(__file__).resolve().parent.parent
 

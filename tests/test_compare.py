@@ -15,8 +15,8 @@ import pytest
 
 from proxy.sim import create_sim_app
 from proxy.sim.config import sim_config_from_dict
-from proxy.tools import compare
-from proxy.tools.stats import RatioCI, bootstrap_ratio_ci, percentile, summarize
+from proxy.tools.probe import compare
+from proxy.tools.probe.stats import RatioCI, bootstrap_ratio_ci, percentile, summarize
 from tests.conftest import serve_in_thread
 from tests.test_probe import closed_port, engine, run_probe
 

@@ -41,7 +41,7 @@ from proxy.metrics import (
 from proxy.sim import create_sim_app
 from proxy.sim import metrics as sim_metrics
 from proxy.sim.config import sim_config_from_dict
-from proxy.tools.exposition import parse
+from proxy.tools.doctor.exposition import parse
 from tests.conftest import free_port, make_settings, run_proxy, serve_in_thread, tool, wait_until
 
 N = 3000  # observations per distribution
@@ -109,7 +109,7 @@ def observe(metrics: Metrics, rng: random.Random) -> dict[tuple[str, str], list[
             ex.last_token_at = ttft + tpot * (tokens - 1)
             ex.completion_tokens, ex.prompt_tokens = tokens, 10
             ex.finished_at, ex.outcome = ex.last_token_at, Outcome.OK
-            metrics.finished(ex)
+            metrics.ended(ex)
             for name, drawn in zip(FAMILIES, (ttft, ttfb, ex.tpot, gap), strict=True):
                 assert drawn is not None
                 values.setdefault((name, model), []).append(drawn)

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from proxy.tools import compare, plot, probe
-from proxy.tools.histogram import FULL, bar, bin_count, histogram
+from proxy.tools.probe import cli as probe
+from proxy.tools.probe import compare, plot
+from proxy.tools.probe.histogram import FULL, bar, bin_count, histogram
 from tests.test_probe import closed_port, engine
 
 JITTER = 0.3

@@ -20,9 +20,9 @@ import pytest
 from proxy.asgi import Receive, Scope, Send
 from proxy.sim import create_sim_app
 from proxy.sim.config import sim_config_from_dict
-from proxy.tools import probe
-from proxy.tools.client import Progress, Result
-from proxy.tools.target import DEFAULT_PROMPT
+from proxy.tools.probe import cli as probe
+from proxy.tools.probe.client import Progress, Result
+from proxy.tools.probe.target import DEFAULT_PROMPT
 from tests.conftest import make_settings, run_proxy, serve_in_thread
 
 ROOT = Path(__file__).resolve().parent.parent

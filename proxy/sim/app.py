@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from proxy.asgi import watch_disconnect
 from proxy.sim.admin import admin_routes
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Engine
@@ -224,15 +225,13 @@ class _Api:
             self.engine.abort(seq)
 
     async def _whole(self, request: Request, seq: Sequence, fmt: WireFormat) -> Response:
-        async def watch() -> None:
+        def left() -> None:
             # A plain response never notices a disconnect by itself; without this the request
             # would hold its slot to the end.
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
             self.engine.abort(seq)
             seq.events.put_nowait(Finished("abort"))
 
-        watcher = asyncio.create_task(watch())
+        watcher = watch_disconnect(request.receive, left)
         try:
             parts: list[str] = []
             while not isinstance(item := await seq.events.get(), Finished):

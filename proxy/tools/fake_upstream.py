@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.asgi import Receive, Scope, Send
+from proxy.asgi import Receive, Scope, Send, watch_disconnect
 
 
 @dataclass
@@ -115,15 +115,13 @@ class FakeUpstream:
         assert task is not None
         gone = False
 
-        async def watch() -> None:
+        def left() -> None:
             nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
             gone = True
             self.disconnected.set()
             task.cancel()
 
-        watcher = asyncio.create_task(watch())
+        watcher = watch_disconnect(receive, left)
         try:
             await self._answer(rec, send)
         except asyncio.CancelledError:

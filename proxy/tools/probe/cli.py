@@ -17,15 +17,16 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from proxy.tools import plot
-from proxy.tools.client import Progress, Result, make_client, prepare, run_many
-from proxy.tools.histogram import histograms
-from proxy.tools.stats import summarize
-from proxy.tools.target import (
+from proxy.tools.probe import plot
+from proxy.tools.probe.client import Progress, Result, make_client, prepare, run_many
+from proxy.tools.probe.histogram import histograms
+from proxy.tools.probe.stats import summarize
+from proxy.tools.probe.target import (
     Target,
     ToolError,
     add_target_arguments,
     prompts_from_args,
+    run_cli,
     target_from_args,
 )
 
@@ -256,8 +257,9 @@ def main(argv: list[str]) -> int:
     args = parse_args(build_parser(), argv)
     if isinstance(args, int):
         return args
-    notes: list[str] = []
-    try:
+
+    def work() -> tuple[Target, list[Result], float]:
+        notes: list[str] = []
         check_load(args.requests, args.concurrency)
         target = target_from_args(args, notes=notes)
         prompts = prompts_from_args(args)
@@ -265,18 +267,12 @@ def main(argv: list[str]) -> int:
             plot.check_output(args.plot)
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
-        target, results, wall = asyncio.run(
-            _probe(target, prompts, args.requests, args.concurrency, not args.no_warmup)
-        )
-    except ToolError as e:
-        print(f"infertap probe: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("infertap probe: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # a bug of ours: one line, not a traceback
-        print(f"infertap probe: unexpected error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        return asyncio.run(_probe(target, prompts, args.requests, args.concurrency, not args.no_warmup))
+
+    done, status = run_cli("infertap probe", work)
+    if done is None:
+        return status or 1
+    target, results, wall = done
     report = run_json(target, results, wall, args.concurrency)
     if args.json:
         print(json.dumps(report, indent=2, ensure_ascii=False))

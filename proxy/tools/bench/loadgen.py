@@ -7,7 +7,7 @@ arrive in the same read did arrive together). TTFT is the first event whose `"co
 text (the role chunk's empty content does not count); the gaps between content events are the
 inter-token gaps the client sees.
 
-It runs in its own process (`python -m proxy.tools.bench_client --fd N [--cpu C]`), pinned next to
+It runs in its own process (`python -m proxy.tools.bench.loadgen --fd N [--cpu C]`), pinned next to
 the upstream, and takes `Job`s over a `multiprocessing` connection, answering each with a
 `JobResult`. A subprocess rather than `multiprocessing.Process`: `python -m proxy` has no
 `__main__` guard, so a spawned child would run the command again.
@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import cast
 
-from proxy.tools.bench_upstream import new_loop, pin, raise_nofile
+from proxy.oslimits import raise_nofile
+from proxy.tools.bench.osutil import new_loop, pin
 
 _CONTENT = b'"content":"'
 _QUOTE = 0x22
@@ -341,7 +342,7 @@ def serve(conn: Connection) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m proxy.tools.bench_client")
+    p = argparse.ArgumentParser(prog="python -m proxy.tools.bench.loadgen")
     p.add_argument("--fd", type=int, required=True, help="the parent's multiprocessing connection")
     p.add_argument("--cpu", type=int, help="pin to this CPU")
     args = p.parse_args(argv)
@@ -353,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Run the imported module, not this __main__ copy: results must pickle as
-    # proxy.tools.bench_client.JobResult for the parent to load them.
-    from proxy.tools import bench_client
+    # proxy.tools.bench.loadgen.JobResult for the parent to load them.
+    from proxy.tools.bench import loadgen
 
-    sys.exit(bench_client.main())
+    sys.exit(loadgen.main())

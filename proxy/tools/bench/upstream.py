@@ -13,7 +13,7 @@ and every SSE event is precomputed, framed as an HTTP/1.1 chunk, and sent with o
 Routes: POST /v1/chat/completions (streaming or not), GET /v1/models, POST /v1/traces (200, so it
 is also the OTLP/HTTP sink of the tracing scenario), GET /bench/stats (counters as JSON).
 
-Run: `python -m proxy.tools.bench_upstream --port 0 [--cpu 0]`; it prints
+Run: `python -m proxy.tools.bench.upstream --port 0 [--cpu 0]`; it prints
 `bench-upstream listening on http://HOST:PORT` once it accepts connections.
 """
 
@@ -22,10 +22,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import resource
 import sys
 from typing import Any, cast
+
+from proxy.oslimits import raise_nofile
+from proxy.tools.bench.osutil import new_loop, pin
 
 READY = "bench-upstream listening on "
 MODEL = "bench-model"
@@ -302,40 +303,6 @@ class Connection(asyncio.Protocol):
             self._serve_buffered()
 
 
-def raise_nofile() -> int:
-    """Raise the soft open-file limit to the hard one (1,000 held streams need ~2,000 sockets)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError):
-            pass
-    return soft
-
-
-def pin(cpu: int | None) -> bool:
-    """Pin this process to one CPU; False when it cannot (no such CPU, or no affinity support)."""
-    if cpu is None or not hasattr(os, "sched_setaffinity"):
-        return False
-    try:
-        os.sched_setaffinity(0, {cpu})
-    except OSError:
-        return False
-    return True
-
-
-def new_loop() -> asyncio.AbstractEventLoop:
-    """uvloop when it is installed (it is a dependency of infertap): the cheapest loop there is."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop
-
-
 async def _serve(host: str, port: int) -> None:
     stats = Stats()
     loop = asyncio.get_running_loop()
@@ -347,7 +314,7 @@ async def _serve(host: str, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m proxy.tools.bench_upstream", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m proxy.tools.bench.upstream", description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--cpu", type=int, help="pin to this CPU")

@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.tools.bench_client import JobResult
-from proxy.tools.stats import percentile
+from proxy.tools.bench.loadgen import JobResult
+from proxy.tools.probe.stats import percentile
 
 DIRECT = "direct"
 NGINX = "nginx"

@@ -1,6 +1,6 @@
 """The measuring client shared by `infertap probe` and `infertap compare`.
 
-Requests go to a `proxy.tools.target.Target`.
+Requests go to a `proxy.tools.probe.target.Target`.
 
 `measure_one` streams one chat completion with httpx and times it with `time.perf_counter()`:
 TTFT is the first SSE event that carries output text (the role-only chunk does not count; the
@@ -25,7 +25,7 @@ import httpx
 import orjson
 
 from proxy.sse import ResponsesScanner, SSEScanner, event_data, usage_tokens
-from proxy.tools.target import DEFAULT_KEY_ENV, Target, ToolError
+from proxy.tools.probe.target import DEFAULT_KEY_ENV, Target, ToolError
 
 MAX_BACKOFF_S = 30.0
 

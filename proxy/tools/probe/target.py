@@ -11,10 +11,11 @@ import argparse
 import json
 import math
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8080/v1"  # `infertap serve`
@@ -26,8 +27,27 @@ DEFAULT_PROMPT = "请用 300 字解释大模型推理中预填充和解码的区
 DEFAULT_MAX_TOKENS = 512
 
 
+T = TypeVar("T")
+
+
 class ToolError(Exception):
     """A problem with the tool's own input (flags, settings file): exit status 2."""
+
+
+def run_cli(prog: str, work: Callable[[], T]) -> tuple[T, None] | tuple[None, int]:
+    """Runs a command's work: (its result, None), or (None, exit status) after one line on stderr:
+    2 for the user's input (ToolError), 130 for ^C, 1 for a bug of ours (a line, not a traceback)."""
+    try:
+        return work(), None
+    except ToolError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return None, 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return None, 130
+    except Exception as e:
+        print(f"{prog}: unexpected error: {type(e).__name__}: {e}", file=sys.stderr)
+        return None, 1
 
 
 @dataclass(frozen=True)

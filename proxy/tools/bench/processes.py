@@ -18,8 +18,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from proxy.tools.bench_client import Job, JobResult
-from proxy.tools.bench_upstream import READY
+from proxy.tools.bench.loadgen import Job, JobResult
+from proxy.tools.bench.upstream import READY
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -155,10 +155,10 @@ def _stop(proc: subprocess.Popen[Any]) -> None:
 
 
 class Upstream:
-    """The bench upstream (proxy/tools/bench_upstream.py) in its own process."""
+    """The bench upstream (proxy/tools/bench/upstream.py) in its own process."""
 
     def __init__(self, cpu: int | None) -> None:
-        cmd = [sys.executable, "-m", "proxy.tools.bench_upstream", "--host", "127.0.0.1", "--port", "0"]
+        cmd = [sys.executable, "-m", "proxy.tools.bench.upstream", "--host", "127.0.0.1", "--port", "0"]
         if cpu is not None:
             cmd += ["--cpu", str(cpu)]
         self.proc = _popen(cmd, stdout=subprocess.PIPE, text=True)
@@ -169,7 +169,7 @@ class Upstream:
             _stop(self.proc)
             raise BenchError(
                 f"the bench upstream did not start (exit {self.proc.poll()}, said {line!r}); "
-                "run `python -m proxy.tools.bench_upstream` to see why"
+                "run `python -m proxy.tools.bench.upstream` to see why"
             )
         self.url = line[len(READY) :].strip()
         self.port = int(self.url.rsplit(":", 1)[1])
@@ -183,11 +183,11 @@ class Upstream:
 
 
 class LoadGenerator:
-    """proxy/tools/bench_client.py in its own process, fed Jobs over a socket pair."""
+    """proxy/tools/bench/loadgen.py in its own process, fed Jobs over a socket pair."""
 
     def __init__(self, cpu: int | None) -> None:
         ours, theirs = socket.socketpair()
-        cmd = [sys.executable, "-m", "proxy.tools.bench_client", "--fd", str(theirs.fileno())]
+        cmd = [sys.executable, "-m", "proxy.tools.bench.loadgen", "--fd", str(theirs.fileno())]
         if cpu is not None:
             cmd += ["--cpu", str(cpu)]
         self.proc = _popen(cmd, pass_fds=[theirs.fileno()])

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from proxy.tools.bench_procs import BenchError, _popen, _stop, free_port, process_tree
+from proxy.tools.bench.processes import BenchError, _popen, _stop, free_port, process_tree
 
 INSTALL_HINT = "install Debian's nginx-light (scripts/install_bench_tools.sh, as root) for the nginx row"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.tools.exposition import Histogram, Samples
+from proxy.tools.doctor.exposition import Histogram, Samples
 
 REQUESTS = "infertap_requests_total"
 TTFT = "infertap_time_to_first_token_seconds"

@@ -1,7 +1,7 @@
 """`infertap bench`: infertap's overhead, measured against a direct connection in the same run.
 
-It starts a fast local OpenAI-compatible upstream (proxy/tools/bench_upstream.py) and infertap in
-front of it, then drives both with a cheap load generator (proxy/tools/bench_client.py): the
+It starts a fast local OpenAI-compatible upstream (proxy/tools/bench/upstream.py) and infertap in
+front of it, then drives both with a cheap load generator (proxy/tools/bench/loadgen.py): the
 upstream and the load generator share core 0, infertap has core 1 to itself, so what infertap
 adds is not blurred by the harness fighting it for a core. When nginx is installed, the same load
 goes through nginx (`proxy_buffering off`, on infertap's core) in the same run: the tables read
@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy import __version__
-from proxy.tools.bench_client import Job
-from proxy.tools.bench_nginx import INSTALL_HINT, Nginx, find_nginx
-from proxy.tools.bench_procs import (
+from proxy.oslimits import raise_nofile
+from proxy.tools.bench.loadgen import Job
+from proxy.tools.bench.nginx import INSTALL_HINT, Nginx, find_nginx
+from proxy.tools.bench.processes import (
     BenchError,
     Infertap,
     LoadGenerator,
@@ -41,8 +42,7 @@ from proxy.tools.bench_procs import (
     reset_peak_rss,
     status_mb,
 )
-from proxy.tools.bench_report import DIRECT, NGINX, Acc, make_row, median_row, render, targets
-from proxy.tools.bench_upstream import raise_nofile
+from proxy.tools.bench.report import DIRECT, NGINX, Acc, make_row, median_row, render, targets
 
 PROXY, TRACED, WORKERS = "infertap", "infertap+tracing", "infertap --workers 2"
 # Tracing to an OTLP endpoint where nothing listens: requests must not notice.

@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from proxy.tools.histogram import bin_count
-from proxy.tools.stats import percentile
-from proxy.tools.target import ToolError
+from proxy.tools.probe.histogram import bin_count
+from proxy.tools.probe.stats import percentile
+from proxy.tools.probe.target import ToolError
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 def install_hint() -> str:
     """How to install the plot extra: into this checkout's environment when run from one."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     if (root / "pyproject.toml").is_file() and (root / "proxy").is_dir():
         return f"{Path(sys.executable)} -m pip install -e '{root}[plot]'"
     return "pip install 'infertap[plot]'"

@@ -21,9 +21,8 @@ from collections.abc import Sequence
 from dataclasses import fields, replace
 from typing import Any
 
-from proxy.tools import plot
-from proxy.tools.client import Progress, Result, make_client, prepare, run_many
-from proxy.tools.probe import (
+from proxy.tools.probe import plot
+from proxy.tools.probe.cli import (
     TOKEN_SOURCE_TEXT,
     add_chart_arguments,
     check_load,
@@ -33,12 +32,14 @@ from proxy.tools.probe import (
     parse_args,
     run_json,
 )
-from proxy.tools.stats import RatioCI, bootstrap_ratio_ci
-from proxy.tools.target import (
+from proxy.tools.probe.client import Progress, Result, make_client, prepare, run_many
+from proxy.tools.probe.stats import RatioCI, bootstrap_ratio_ci
+from proxy.tools.probe.target import (
     Target,
     ToolError,
     add_target_arguments,
     prompts_from_args,
+    run_cli,
     target_from_args,
     validate_target,
 )
@@ -272,7 +273,8 @@ def main(argv: list[str]) -> int:
     args = parse_args(build_parser(), argv)
     if isinstance(args, int):
         return args
-    try:
+
+    def work() -> tuple[dict[str, Any], dict[str, Any], list[Result], list[Result]]:
         check_load(args.requests, args.concurrency)
         if args.bootstrap < 1:
             raise ToolError("--bootstrap must be at least 1")
@@ -292,15 +294,12 @@ def main(argv: list[str]) -> int:
             )
             run_a = run_json(a, ra, busy["a"], args.concurrency)
             run_b = run_json(b, rb, busy["b"], args.concurrency)
-    except ToolError as e:
-        print(f"infertap compare: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("infertap compare: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # a bug of ours: one line, not a traceback
-        print(f"infertap compare: unexpected error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        return run_a, run_b, ra, rb
+
+    done, status = run_cli("infertap compare", work)
+    if done is None:
+        return status or 1
+    run_a, run_b, ra, rb = done
     report = {
         "labels": {"a": args.label_a, "b": args.label_b},
         "a": run_a,

@@ -15,8 +15,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from proxy.tools.diagnose import Inputs, Thresholds, diagnose, fmt_s, needs, summary
-from proxy.tools.doctor_sources import DEFAULT_METRICS, SourceError, collect
+from proxy.tools.doctor.rules import Inputs, Thresholds, diagnose, fmt_s, needs, summary
+from proxy.tools.doctor.sources import DEFAULT_METRICS, SourceError, collect
 
 __all__ = ["DEFAULT_METRICS", "SourceError", "build_parser", "main"]
 _EPILOG = """\

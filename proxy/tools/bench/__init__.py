@@ -1,0 +1,2 @@
+"""`infertap bench`: infertap's overhead against a direct connection (cli, scenarios, processes, load
+generator, upstream, report, OS utilities)."""
