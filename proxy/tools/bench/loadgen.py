@@ -119,6 +119,11 @@ class ClientConnection(asyncio.Protocol):
         self.remaining = 0  # content-length bodies
         self.keep_alive = True
 
+    @property
+    def usable(self) -> bool:
+        """Open, and not being closed (an answer with `connection: close` closes it)."""
+        return not self.closed and self.transport is not None and not self.transport.is_closing()
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's do not subclass it
 
@@ -252,7 +257,7 @@ async def _one(job: Job, res: JobResult, data: bytes, conn: ClientConnection) ->
     problem = _check(job, out)
     if problem:
         res.errors[problem] += 1
-        return not conn.closed
+        return conn.usable
     res.ok += 1
     res.e2e.append(out.end - t0)
     times = out.times
@@ -262,7 +267,7 @@ async def _one(job: Job, res: JobResult, data: bytes, conn: ClientConnection) ->
         res.gaps.extend(b - a for a, b in zip(times, times[1:], strict=False))
     else:
         res.tokens += job.tokens  # non-streaming: the answer held them all
-    return not conn.closed
+    return conn.usable
 
 
 async def _open_loop(job: Job, res: JobResult, data: bytes, idle: list[ClientConnection]) -> JobResult:
@@ -273,7 +278,13 @@ async def _open_loop(job: Job, res: JobResult, data: bytes, idle: list[ClientCon
     perf = time.perf_counter
 
     async def one() -> None:
-        conn = idle.pop() if idle else await _connect(job.host, job.port)
+        conn = None
+        while idle and conn is None:
+            conn = idle.pop()
+            if not conn.usable:  # closed while it waited (a keep-alive timeout, `connection: close`)
+                conn = None
+        if conn is None:
+            conn = await _connect(job.host, job.port)
         if await _one(job, res, data, conn):
             idle.append(conn)
 
@@ -307,7 +318,7 @@ async def run_job(job: Job) -> JobResult:
         nonlocal issued
         while issued < job.count:
             issued += 1
-            if conn.closed:
+            if not conn.usable:
                 conn = await _connect(job.host, job.port)
             await _one(job, res, data, conn)
         if conn.transport is not None:

@@ -214,7 +214,10 @@ class LoadGenerator:
                 )
             if time.monotonic() > deadline:
                 raise BenchError(f"the load generator gave no result within {timeout_s:.0f} s")
-        result: JobResult = self.conn.recv()
+        try:
+            result: JobResult = self.conn.recv()
+        except EOFError:  # it died between poll() and recv(): its traceback is on stderr above
+            raise BenchError("the load generator exited mid-job; see its stderr above") from None
         self.busy = False
         return result
 
