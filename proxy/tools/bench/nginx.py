@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from proxy.tools.bench.processes import BenchError, _popen, _stop, free_port, process_tree
+from proxy.tools.bench.processes import BenchError, _popen, _stop, free_port, pin_child, process_tree
 
 INSTALL_HINT = "install Debian's nginx-light (scripts/install_bench_tools.sh, as root) for the nginx row"
 
@@ -75,13 +75,7 @@ class Nginx:
         cmd = [exe, "-p", str(self.dir), "-c", str(conf), "-g", "daemon off;"]
         self.log = (self.dir / "stderr.log").open("wb")
         self.proc = _popen(cmd, nofile, stdout=subprocess.DEVNULL, stderr=self.log)
-        self.pinned = False
-        if cpu is not None:
-            try:  # before it forks its worker, which inherits the mask
-                os.sched_setaffinity(self.proc.pid, {cpu})
-                self.pinned = True
-            except OSError:
-                pass
+        self.pinned = pin_child(self.proc.pid, cpu)  # before it forks its worker, which inherits it
         self.pids = [self.proc.pid]
 
     def wait_ready(self, timeout_s: float = 20.0) -> None:

@@ -144,6 +144,17 @@ def _popen(cmd: list[str], nofile: int | None = None, **kw: Any) -> subprocess.P
     return subprocess.Popen(cmd, preexec_fn=setup, **kw)
 
 
+def pin_child(pid: int, cpu: int | None) -> bool:
+    """Pins a just-started child to `cpu` (its threads and children inherit it); False if not."""
+    if cpu is None:
+        return False
+    try:
+        os.sched_setaffinity(pid, {cpu})
+    except OSError:
+        return False
+    return True
+
+
 def _stop(proc: subprocess.Popen[Any]) -> None:
     if proc.poll() is None:
         proc.terminate()
@@ -274,14 +285,8 @@ class Infertap:
         # `nofile`: the soft limit the bench itself started with, so that what infertap does with
         # it (raise it to the hard limit, or not) shows in /proc/PID/limits.
         self.proc = _popen(cmd, nofile, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
-        self.pinned = False
-        if cpu is not None:
-            # Right after exec, before the interpreter starts any thread: all of them inherit it.
-            try:
-                os.sched_setaffinity(self.proc.pid, {cpu})
-                self.pinned = True
-            except OSError:
-                pass
+        # Right after exec, before the interpreter starts any thread: all of them inherit it.
+        self.pinned = pin_child(self.proc.pid, cpu)
         self.pids = [self.proc.pid]
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
