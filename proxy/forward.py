@@ -1,6 +1,8 @@
-"""The streaming core: attempts across upstreams, commit, relay, exactly one terminal hook.
+"""The streaming core: intake, attempts across upstreams and fallbacks, commit, exactly one terminal hook.
 
-(One attempt, up to its commit point, is proxy.attempt's; relaying a committed answer, proxy.relay's.)
+(One attempt, up to its commit point, is proxy.attempt's; relaying a committed answer, proxy.relay's;
+the request's lifetime around its attempts (disconnect, total deadline, shutdown), proxy.lifetime's;
+the request record from the body, proxy.request's.)
 
 No Prometheus and no OpenTelemetry here (lint enforces it): observers turn the Exchange into those.
 
@@ -26,12 +28,12 @@ from proxy.asgi import (
     Send,
     read_body,
     send_error,
-    watch_disconnect,
 )
 from proxy.attempt import Attempter, Call, Failure, Ready
 from proxy.circuit import PANIC, Permit
-from proxy.errors import ERRORS, ErrorKind, describe, outcome_of
+from proxy.errors import ERRORS, ErrorKind, outcome_of
 from proxy.exchange import DEFAULT_PROMPT_CLASS_BOUNDS, Exchange, Outcome
+from proxy.lifetime import guarded
 from proxy.observer import ObserverSet
 from proxy.relay import relay_committed, response_headers, status_outcome, take_facts
 from proxy.request import (
@@ -191,97 +193,9 @@ class Forwarder:
         else:
             self.observers.failed(ex)
 
-    # -- the request's lifetime: disconnects and the total deadline -------------------------
+    # -- the request's lifetime: disconnects, the total deadline, shutdown (proxy.lifetime) -----
     async def _guarded(self, receive: Receive, send: Send, call: Call) -> None:
-        """Runs the exchange while a watcher cancels it the moment the client goes away.
-
-        The cancellation reaches whatever is awaited (connect, the wait for headers, a read),
-        and an upstream response left unread is closed, which closes its connection.
-        """
-        task = asyncio.current_task()
-        assert task is not None
-        gone = False
-
-        def left() -> None:
-            nonlocal gone
-            gone = True
-            task.cancel()
-
-        ex = call.ex
-        watcher = watch_disconnect(receive, left)
-        total = call.upstream.total_timeout
-        self.tasks.add(task)
-        try:
-            async with asyncio.timeout(
-                None if total is None else total - (time.perf_counter() - ex.received_at)
-            ):
-                await self._exchange(send, call, watcher)
-        except TimeoutError:
-            msg = f"the request took longer than the total timeout of {total} s"
-            kind, status, outcome = (
-                ErrorKind.TOTAL_TIMEOUT,
-                ERRORS[ErrorKind.TOTAL_TIMEOUT].status,
-                Outcome.TOTAL_TIMEOUT,
-            )
-            if call.committed and not call.committed_sse:
-                # A plain body cut short would look complete, and an error event appended to it
-                # would corrupt it: the connection is aborted (the app returns unfinished).
-                self._end(ex, outcome, status, msg)
-                return
-            if call.committed:
-                watcher.cancel()
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "more_body": False,
-                        "body": error_event(msg, kind.value),
-                    }
-                )
-            else:
-                await send_error(send, status, msg, kind.value, kind.value, call.rid)
-            self._end(ex, outcome, status, msg)
-        except asyncio.CancelledError:
-            if not gone:
-                # Shutting down: infertap's drain deadline (then the request ends here), or the
-                # server's own last-resort cancel (then the cancellation goes on up).
-                ours = self.shutting_down
-                if ours:
-                    task.uncancel()
-                watcher.cancel()
-                await self._shutdown_end(send, call)
-                if not ours:
-                    raise
-                return
-            task.uncancel()
-            self._end(ex, Outcome.CLIENT_DISCONNECT, 499, "the client disconnected")
-        except Exception as e:
-            log.exception("request %s failed inside infertap", ex.request_id)
-            self._end(ex, Outcome.UPSTREAM_ERROR, 500, f"internal error: {describe(e)}")
-            raise
-        finally:
-            watcher.cancel()
-            self.tasks.discard(task)
-
-    async def _shutdown_end(self, send: Send, call: Call) -> None:
-        """A request cut by shutdown: an SSE error event, a 503 before commit, or (a plain body that
-        cannot be finished) an aborted connection. Never a silent clean end."""
-        msg = "infertap is shutting down: the drain time ran out before this request finished; retry it"
-        outcome = Outcome.SHUTDOWN
-        try:
-            async with asyncio.timeout(1.0):  # a client that does not read cannot hold the exit
-                if not call.committed:
-                    await send_error(send, 503, msg, outcome.value, "shutting_down", call.rid)
-                elif call.committed_sse:
-                    await send(
-                        {
-                            "type": "http.response.body",
-                            "more_body": False,
-                            "body": error_event(msg, outcome.value),
-                        }
-                    )
-        except (TimeoutError, OSError, RuntimeError):
-            pass
-        self._end(call.ex, outcome, 503, msg)
+        await guarded(self, receive, send, call)
 
     # -- attempts, fallback, circuit --------------------------------------------------------
     async def _exchange(self, send: Send, call: Call, watcher: asyncio.Task[None]) -> None:

@@ -73,7 +73,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     logs = ExitStack()
     try:
         sim = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "sim", "--host", "127.0.0.1", "--port", "0", "--accept-any-model"],  # noqa: E501
+            [
+                sys.executable,
+                "-m",
+                "proxy",
+                "sim",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--model",
+                MODEL,
+                "--model",
+                UNPRICED,
+            ],
             stdout=subprocess.PIPE,
             stderr=logs.enter_context(open(tmp / "sim.log", "w")),
             text=True,

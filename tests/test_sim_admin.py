@@ -22,7 +22,7 @@ def sim_ttft(base: str, prompt_words: int) -> tuple[float, float]:
     """Send one request; return the sim's own TTFT histogram (sum in s, count) after it, so the
     assertion needs no clock in the test."""
     body = {
-        "model": "m",
+        "model": "sim-model",
         "stream": True,
         "max_tokens": 2,
         "messages": [{"role": "user", "content": "word " * prompt_words}],
