@@ -489,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--rounds", type=int, metavar="N",
         help="rounds per scenario, target order rotating (default 3; 4 where two infertap rows are "
-        "compared; --quick: 1)",
+        "compared; --quick: 1, or 2 there)",
     )  # fmt: skip
     p.add_argument(
         "--rate", type=float, action="append", metavar="R",
