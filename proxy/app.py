@@ -98,6 +98,7 @@ class InfertapApp(FastAPI):
         self.reloaded_at: float | None = None
         self._routing: Router | None = None
         self._runtime: _Runtime | None = None
+        self.freeze_heap = False  # `infertap serve` sets it: the process is the app's alone
         self.include_router(ops.router)
         self.include_router(admin.router)
         ui = next((o for o in observers if isinstance(o, UIObserver)), None)
@@ -128,13 +129,19 @@ class InfertapApp(FastAPI):
         self._runtime = _Runtime(client, forwarder, checker, drain)
         drain.install()
         checker.start()
+        if self.metrics is not None:
+            self.metrics.start_probes()
         if self.reloader is not None:
             self.reloader.install()
         self._log_upstreams(router)
-        # What start-up built (FastAPI's routes and models, settings, observers) lives as long as
-        # the process: out of the collector's way, so full collections under load stay as cheap
-        # as before FastAPI (measured: ~8% CPU per non-streaming request without this).
-        gc.freeze()
+        if self.freeze_heap:
+            # What start-up built (FastAPI's routes and models, settings, observers) lives as long
+            # as the process: out of the collector's way, so full collections under load stay
+            # cheap (measured: ~8% CPU per non-streaming request without this, and full
+            # collections of 30-40 ms under load, 2-6 ms with it: docs/benchmarks.md). Only where
+            # the app owns the process (`infertap serve`): frozen objects are never collected.
+            gc.collect()
+            gc.freeze()
 
     async def shutdown(self) -> None:
         if self._runtime is not None:
@@ -143,6 +150,8 @@ class InfertapApp(FastAPI):
                     self.reloader.uninstall()
                 self._runtime.drain.close()
                 await self._runtime.checker.stop()
+                if self.metrics is not None:
+                    await self.metrics.stop_probes()
             finally:
                 await self._runtime.client.close()
                 self._runtime = None

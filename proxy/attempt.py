@@ -51,6 +51,7 @@ class Ready:
     scanner: SSEScanner | None = None
     pending: list[bytes] = field(default_factory=list)
     outputs: int = 0
+    first_output_at: float | None = None  # when the bytes holding the first output event arrived
     prefetched: bytes | None = None
 
 
@@ -110,6 +111,8 @@ class Attempter:
                     call.body or None,
                     up.timeout,
                 )
+                if ex.upstream_sent_at is None:
+                    ex.upstream_sent_at = resp.sent_at
                 ex.status_code = status = resp.status
                 ex.first_byte_at = time.perf_counter()
                 obs.first_byte(ex)
@@ -147,6 +150,7 @@ class Attempter:
                     strip_usage_only=ex.usage_injected, capture_chars=ex.capture_output_chars
                 )
                 ready = await self._until_first_output(resp, chunks, scanner)
+                ex.first_output_read_at = ready.first_output_at
                 return ready
         except self.errors as e:  # before TimeoutError: a client's own timeouts may be TimeoutErrors too
             err = self.client.error(e)
@@ -172,12 +176,16 @@ class Attempter:
     ) -> Ready:
         """Reads a generation stream until its first output event (or its end), holding the bytes."""
         ready = Ready(resp, chunks, scanner)
+        perf = time.perf_counter
         async for data in chunks:
+            arrived = perf()  # a few reads before the first token: infertap's overhead starts here
             out, outputs = scanner.feed(data)
             if out:
                 ready.pending.append(out)
             if outputs or scanner.facts.done or scanner.facts.error_events:
                 ready.outputs = outputs
+                if outputs:
+                    ready.first_output_at = arrived
                 break
         return ready
 

@@ -81,6 +81,10 @@ class Exchange:
     status_code: int | None = None
     attempt_started_at: float | None = None
     first_byte_at: float | None = None
+    # infertap's own overhead (infertap_overhead_seconds): when the first attempt's request was
+    # written to the upstream's socket, and when the bytes carrying the first output event arrived.
+    upstream_sent_at: float | None = None
+    first_output_read_at: float | None = None
     first_token_at: float | None = None
     # The first answer event (content, not reasoning): later than first_token_at for a reasoning model.
     first_answer_at: float | None = None
@@ -129,6 +133,21 @@ class Exchange:
         if self.first_answer_at is None:
             return None
         return self.first_answer_at - self.received_at
+
+    @property
+    def intake_overhead(self) -> float | None:
+        """From the request's arrival to its upstream request written: infertap's intake."""
+        if self.upstream_sent_at is None:
+            return None
+        return self.upstream_sent_at - self.received_at
+
+    @property
+    def first_token_overhead(self) -> float | None:
+        """From the first output event's bytes arriving from the upstream to their being handed to
+        the client."""
+        if self.first_output_read_at is None or self.first_token_at is None:
+            return None
+        return self.first_token_at - self.first_output_read_at
 
     @property
     def ttfb(self) -> float | None:

@@ -15,6 +15,7 @@ from prometheus_client.exposition import choose_encoder
 from proxy import __version__
 from proxy.errors import TIMEOUT_PHASES
 from proxy.exchange import Exchange, Outcome
+from proxy.looplag import LoopLagProbe
 from proxy.model_labels import NONE, OTHER, ModelLabels, multiprocess_dir
 from proxy.observer import Observer
 from proxy.routes import route_of
@@ -86,6 +87,10 @@ DURATION_BUCKETS = (
     1920.0,
     7680.0,
 )
+# infertap's own overhead and the loop's lag: tens of microseconds when all is well, milliseconds
+# when its core is taken away, seconds when something blocks the loop.
+OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                    0.25, 0.5, 1.0, 2.5)  # fmt: skip
 TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5) if m * 10**e <= 1_000_000)
 
 __all__ = ["NONE", "OTHER", "CollectorRegistry", "Metrics", "ModelLabels", "multiprocess_dir"]
@@ -265,6 +270,25 @@ class Metrics(Observer):
             ["model"],
             registry=r,
         )
+        self.overhead_on = m.overhead
+        self.overhead = Histogram(
+            "infertap_overhead_seconds",
+            "infertap's own time per request, by phase: intake (request arrival to the upstream "
+            "request written) and first_token (the first output event's bytes arriving from the "
+            "upstream to their being handed to the client).",
+            ["phase"],
+            registry=r,
+            buckets=OVERHEAD_BUCKETS,
+        )
+        self._intake = self.overhead.labels("intake")
+        self._first_token = self.overhead.labels("first_token")
+        self.loop_lag = Histogram(
+            "infertap_event_loop_lag_seconds",
+            "How late a task sleeping on infertap's event loop wakes up (a probe every 0.5 s).",
+            registry=r,
+            buckets=OVERHEAD_BUCKETS,
+        )
+        self.lag_probe = LoopLagProbe(self.loop_lag.observe) if m.overhead else None
         self.build_info = Gauge(
             "infertap_build_info", "infertap's version.", ["version"], registry=r, multiprocess_mode="max"
         )
@@ -324,6 +348,10 @@ class Metrics(Observer):
         if ttft is not None:
             self._c(self.ttft, model, upstream, ex.prompt_class).observe(ttft, self._exemplar(ex))
         ex.scratch["metrics.itl"] = self._c(self.itl, model, upstream)
+        if self.overhead_on:
+            overhead = ex.first_token_overhead
+            if overhead is not None:
+                self._first_token.observe(overhead)
 
     def chunk(self, ex: Exchange, gap: float) -> None:
         ex.scratch["metrics.itl"].observe(gap)
@@ -334,6 +362,8 @@ class Metrics(Observer):
         outcome = ex.outcome.value if ex.outcome is not None else NONE
         stream = "true" if ex.stream else "false"
         self._c(self.in_flight, routed).dec()
+        if self.overhead_on and ex.upstream_sent_at is not None:
+            self._intake.observe(ex.upstream_sent_at - ex.received_at)
         client = ex.client
         self._c(self.requests, ex.route, model, upstream, stream, outcome, client).inc()
         if ex.attempts:
@@ -396,6 +426,15 @@ class Metrics(Observer):
         if self.exemplars and ex.trace_id:
             return {"trace_id": ex.trace_id}
         return None
+
+    def start_probes(self) -> None:
+        """Inside the running loop, at start-up."""
+        if self.lag_probe is not None:
+            self.lag_probe.start()
+
+    async def stop_probes(self) -> None:
+        if self.lag_probe is not None:
+            await self.lag_probe.stop()
 
     def close(self) -> None:
         if self.multiprocess:

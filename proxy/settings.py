@@ -156,6 +156,10 @@ class MetricsSettings(_Section):
     tpot_buckets: list[float] | None = None
     duration_buckets: list[float] | None = None
     exemplars: bool = True
+    overhead: bool = Field(
+        default=True,
+        description="infertap_overhead_seconds and infertap_event_loop_lag_seconds: infertap's own cost",
+    )
     access_log: bool = True
     access_log_format: str = Field(default="json", pattern=r"^(json|logfmt)$")
 

@@ -16,6 +16,7 @@ its reads and turns what it caught into an UpstreamError with `client.error(exc)
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -47,6 +48,12 @@ class UpstreamResponse(Protocol):
 
     @property
     def raw_headers(self) -> Sequence[tuple[bytes, bytes]]: ...
+
+    @property
+    def sent_at(self) -> float | None:
+        """When the request's last byte was written to the upstream's socket (time.perf_counter();
+        None where the client cannot tell): where infertap's intake overhead ends."""
+        ...
 
     def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives; a failed read raises one of the client's `errors`."""
@@ -107,14 +114,41 @@ def classify(exc: BaseException) -> ErrorKind:
     return ErrorKind.UPSTREAM_5XX
 
 
+class _StampedRequest(aiohttp.ClientRequest):
+    """aiohttp's request, noting when its last byte went to the socket. The stamp travels to the
+    response in a one-slot list that refers to nothing, so no reference cycle is made for the GC."""
+
+    _infertap_sent: list[float] | None = None
+
+    async def send(self, conn: aiohttp.connector.Connection) -> aiohttp.ClientResponse:
+        sent = self._infertap_sent = [0.0]
+        resp = await super().send(conn)
+        resp._infertap_sent = sent  # type: ignore[attr-defined]
+        if not sent[0] and self._writer is None:  # no body left to write: the headers were all
+            sent[0] = time.perf_counter()
+        return resp
+
+    async def write_bytes(
+        self,
+        writer: aiohttp.abc.AbstractStreamWriter,
+        conn: aiohttp.connector.Connection,
+        content_length: int | None = None,
+    ) -> None:
+        await super().write_bytes(writer, conn, content_length)
+        if self._infertap_sent is not None:
+            self._infertap_sent[0] = time.perf_counter()
+
+
 class _Response:
-    __slots__ = ("_r", "status", "headers", "raw_headers")
+    __slots__ = ("_r", "status", "headers", "raw_headers", "sent_at")
 
     def __init__(self, r: aiohttp.ClientResponse) -> None:
         self._r = r
         self.status = r.status
         self.headers: Mapping[str, str] = r.headers
         self.raw_headers: Sequence[tuple[bytes, bytes]] = r.raw_headers
+        sent: list[float] | None = getattr(r, "_infertap_sent", None)
+        self.sent_at: float | None = sent[0] or None if sent is not None else None
 
     def chunks(self) -> AsyncIterator[bytes]:
         return self._r.content.iter_any()
@@ -162,6 +196,7 @@ class AiohttpClient:
             auto_decompress=False,
             cookie_jar=aiohttp.DummyCookieJar(),
             skip_auto_headers=("User-Agent",),
+            request_class=_StampedRequest,
         )
         self._timeouts: dict[Timeouts, aiohttp.ClientTimeout] = {}
 

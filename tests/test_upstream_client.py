@@ -36,6 +36,7 @@ class Scripted:
     body: list[bytes | UpstreamError] = field(default_factory=lambda: list(EVENTS))
     content_type: str = "text/event-stream"
     ended: str = ""  # "release" or "close": how the core let go of it
+    sent_at: float | None = None  # a scripted answer was never written anywhere
 
     @property
     def headers(self) -> Mapping[str, str]:

@@ -420,6 +420,21 @@ def overview() -> dict[str, Any]:
                 "s",
                 "Gap between consecutive output events. An SSE event may carry several tokens. " + FAULTS[4],
             ),
+            ts(
+                "infertap's own overhead",
+                [
+                    q(hq(x, "infertap_overhead_seconds", SCOPE, "phase"), f"{{{{phase}}}} p{round(x * 100)}")
+                    for x in (0.5, 0.99)
+                ]
+                + [q(hq(0.99, "infertap_event_loop_lag_seconds", SCOPE), "event loop lag p99")],
+                "s",
+                "How much of the latency above is infertap's. intake: from the request's arrival to the "
+                "upstream request written; first_token: from the first output event's bytes arriving from "
+                "the upstream to their being handed to the client (subtract it from TTFT to get the "
+                "upstream's share). Event loop lag: how late a task sleeping on infertap's loop wakes; when "
+                "it rises with the overhead, infertap's CPU is short (more replicas or workers).",
+                w=24,
+            ),
             row("TTFT SLO: 99% of streamed requests get their first token within 2 s"),
             stat(
                 "Burn rate (1h)",

@@ -3,8 +3,13 @@
 It starts a fast local OpenAI-compatible upstream (proxy/tools/bench/upstream.py) and infertap in
 front of it, then drives both with a cheap load generator (proxy/tools/bench/loadgen.py): the
 upstream and the load generator share core 0, infertap has core 1 to itself, so what infertap
-adds is not blurred by the harness fighting it for a core. Direct and proxied runs alternate
-within each scenario, so drift on the machine hits both alike.
+adds is not blurred by the harness fighting it for a core. When nginx is installed, the same load
+goes through nginx (`proxy_buffering off`, on infertap's core) in the same run: the tables read
+direct / nginx / infertap, and the targets are ratios to nginx. Every scenario runs in rounds
+that rotate the order of the targets; a row is the median of its rounds, with the spread.
+
+The scenarios are closed loops (N streams at a time, each starting when one ends) and, in
+`poisson`, open loops: streams arriving at random at a fixed rate, however slow the target.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 from proxy import __version__
 from proxy.oslimits import raise_nofile
 from proxy.tools.bench.loadgen import Job
+from proxy.tools.bench.nginx import INSTALL_HINT, Nginx, find_nginx
 from proxy.tools.bench.processes import (
     BenchError,
     Infertap,
@@ -35,11 +41,13 @@ from proxy.tools.bench.processes import (
     reset_peak_rss,
     status_mb,
 )
-from proxy.tools.bench.report import DIRECT, Acc, make_row, render, targets
+from proxy.tools.bench.report import DIRECT, NGINX, Acc, make_row, median_row, render, targets
 from proxy.tools.bench.scenarios import (
     BENCH_KEY,
     DEAD_COLLECTOR,
     LOOPS_ON,
+    OVERHEAD_OFF,
+    POISSON_RATES,
     PROXY,
     SPEND_ENV,
     SPEND_ON,
@@ -60,8 +68,9 @@ def _log(msg: str) -> None:
 
 
 class Bench:
-    def __init__(self, quick: bool, nofile: int | None = None) -> None:
+    def __init__(self, quick: bool, nofile: int | None = None, nginx: str | None = None) -> None:
         self.quick = quick
+        self.nginx = nginx  # nginx's executable; None: no nginx row
         self.nofile = nofile  # the soft open-file limit infertap starts with, as a user's would
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         # Core 0: upstream + load generator; core 1: infertap. One core: nothing to separate.
@@ -74,7 +83,7 @@ class Bench:
             )
         self.upstream: Upstream | None = None
         self.loadgen: LoadGenerator | None = None
-        self.proxies: dict[str, Infertap] = {}
+        self.proxies: dict[str, Infertap | Nginx] = {}
 
     # --- processes ---
 
@@ -85,7 +94,12 @@ class Bench:
         url = self.upstream.url
         for name in sorted(needed - {DIRECT}):
             _log(f"starting {name}")
-            if name == TRACED:
+            if name == NGINX:
+                assert self.nginx is not None
+                proxy: Infertap | Nginx = Nginx(
+                    name, self.nginx, self.upstream.port, self.proxy_cpu, self.nofile
+                )
+            elif name == TRACED:
                 flush_ms = int(TRACE_FLUSH_S * 1000)
                 proxy = Infertap(
                     name, url, self.proxy_cpu, tracing_to=url, flush_ms=flush_ms, nofile=self.nofile
@@ -112,6 +126,9 @@ class Bench:
                     nofile=self.nofile,
                     extra_env={"INFERTAP_LOOPS__ENABLED": "true"},
                 )
+            elif name == OVERHEAD_OFF:
+                off = {"INFERTAP_METRICS__OVERHEAD": "false"}
+                proxy = Infertap(name, url, self.proxy_cpu, nofile=self.nofile, extra_env=off)
             elif name == SPEND_ON:
                 proxy = Infertap(name, url, self.proxy_cpu, nofile=self.nofile, extra_env=SPEND_ENV)
             elif name == WORKERS:
@@ -143,7 +160,7 @@ class Bench:
 
     # --- measuring ---
 
-    def _job(self, phase: Phase, target: str, count: int, warmup: bool = False) -> Job:
+    def _job(self, phase: Phase, target: str, count: int, warmup: bool = False, seed: int = 0) -> Job:
         key = BENCH_KEY if target == SPEND_ON else ""
         if warmup:  # zero delays, short: opens connections and warms caches without taking long
             c = min(phase.concurrency, 16 if self.quick else 64)
@@ -155,6 +172,7 @@ class Bench:
         return Job(
             "127.0.0.1", self._port(target), phase.stream, phase.concurrency, count,
             phase.ttft_ms, phase.itl_ms, phase.tokens, timeout_s=budget + 60, authorization=key,
+            rate=phase.rate, seed=seed,
         )  # fmt: skip
 
     def _run(self, job: Job, phase: Phase, target: str, acc: Acc | None) -> None:
@@ -165,7 +183,8 @@ class Bench:
         self.loadgen.start(job)
         if phase.hold and acc is not None and proxy is not None:
             acc.extra.update(self._held(phase, pids))
-        result = self.loadgen.result(job.timeout_s * max(1, job.count // job.concurrency) + 60)
+        arrivals = job.count / job.rate if job.rate else 0.0
+        result = self.loadgen.result(job.timeout_s * max(1, job.count // job.concurrency) + arrivals + 60)
         if target == TRACED:
             self._settle_traces()
         cpu1 = cpu_seconds(pids)
@@ -213,6 +232,18 @@ class Bench:
                 rss = max(rss, status_mb(pids, "VmRSS"))
         return {"held_streams": most, "held_rss_mb": rss}
 
+    @staticmethod
+    def _round_rows(sc: Scenario, phase: Phase, accs: dict[str, Acc]) -> dict[str, dict[str, Any]]:
+        """One round's rows, each compared with the direct and nginx rows of the same round."""
+        direct = make_row(sc.name, phase.label, DIRECT, accs[DIRECT], None) if DIRECT in accs else None
+        nginx = make_row(sc.name, phase.label, NGINX, accs[NGINX], direct) if NGINX in accs else None
+        out: dict[str, dict[str, Any]] = {}
+        for t, acc in accs.items():
+            out[t] = (
+                direct if t == DIRECT and direct else make_row(sc.name, phase.label, t, acc, direct, nginx)
+            )
+        return out
+
     def scenario(self, sc: Scenario) -> dict[str, Any]:
         rows: list[dict[str, Any]] = []
         notes: list[str] = []
@@ -220,37 +251,41 @@ class Bench:
             if not reset_peak_rss(p.refresh_pids()):
                 notes.append(f"{p.label}: peak RSS is since start (clear_refs not writable)")
         for phase in sc.phases:
-            accs = {t: Acc() for t in sc.targets}
+            rounds: list[dict[str, Acc]] = []
             _log(f"{sc.name} {phase.label}: warming up")
             for t in sc.targets:
                 self._run(self._job(phase, t, 0, warmup=True), phase, t, None)
             for r in range(sc.rounds):
                 share = phase.count // sc.rounds + (phase.count % sc.rounds if r == sc.rounds - 1 else 0)
-                order = sc.targets if r % 2 == 0 else tuple(reversed(sc.targets))
+                # Rotated, so that no target always runs first (or right after the same one).
+                k = r % len(sc.targets)
+                order = sc.targets[k:] + sc.targets[:k]
+                accs = {t: Acc() for t in sc.targets}
                 for t in order:
                     _log(f"{sc.name} {phase.label}: {t}, round {r + 1}/{sc.rounds}, {share} requests")
-                    self._run(self._job(phase, t, share), phase, t, accs[t])
-            direct = None
+                    # The round's number seeds the Poisson arrivals: the same for every target.
+                    self._run(self._job(phase, t, share, seed=r), phase, t, accs[t])
+                rounds.append(accs)
             for t in sc.targets:
                 if phase.hold and t in self.proxies:
                     notes.append(self._nofile_note(t, phase.concurrency))
-                held = accs[t].extra.get("held_streams")
+                held = rounds[-1][t].extra.get("held_streams")
                 if held is not None and held < phase.concurrency:
                     notes.append(
                         f"{t}: at most {held} of {phase.concurrency} streams were open at once (infertap "
                         "was slow to admit them): the held RSS is for that many"
                     )
+            per_round = [self._round_rows(sc, phase, accs) for accs in rounds]
+            for t in sc.targets:
+                row = median_row([rows[t] for rows in per_round])
                 proxy = self.proxies.get(t)
                 if proxy is not None:
                     pids = proxy.refresh_pids()
-                    accs[t].extra.update(
+                    row.update(
                         rss_mb=status_mb(pids, "VmRSS"),
                         peak_rss_mb=status_mb(pids, "VmHWM"),
                         pinned=proxy.pinned,
                     )
-                row = make_row(sc.name, phase.label, t, accs[t], direct)
-                if t == DIRECT:
-                    direct = row
                 rows.append(row)
         if TRACED in sc.targets:
             assert self.upstream is not None
@@ -258,6 +293,8 @@ class Bench:
             notes.append(f"OTLP sink received {stats['trace_posts']} exports, {stats['trace_bytes']} bytes")
             if not stats["trace_posts"]:
                 notes.append("tracing: no spans arrived at the sink; is the OTLP exporter installed?")
+        if NGINX in sc.targets:
+            notes.append("nginx: proxy_buffering off, one worker on infertap's core, upstream keep-alive")
         if WORKERS in sc.targets:
             notes.append("--workers 2 is not pinned: its workers share both cores with the harness")
         return {"title": sc.title, "rows": rows, "notes": notes}
@@ -299,12 +336,26 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"scenarios:\n{listing}\n\nexamples:\n  infertap bench\n  infertap bench --quick\n"
-        "  infertap bench --scenario throughput --json bench.json\n  infertap bench --markdown\n\n"
+        "  infertap bench --scenario throughput --json bench.json\n  infertap bench --markdown\n"
+        "  infertap bench --scenario poisson --rate 60 --rounds 5\n\n"
+        f"nginx: where it is installed, every scenario runs it too ({INSTALL_HINT}).\n"
         "Exit status: 0 when every request succeeded (targets missed or not), 1 when some failed,\n"
         "2 when the bench could not run. See docs/benchmarks.md.",
     )
     p.add_argument("--scenario", action="append", choices=names, help="run only this one (repeatable)")
-    p.add_argument("--quick", action="store_true", help="smoke mode: tiny counts, under 30 s (CI)")
+    p.add_argument("--quick", action="store_true", help="smoke mode: tiny counts, one round (CI)")
+    p.add_argument(
+        "--rounds", type=int, metavar="N",
+        help="rounds per scenario, target order rotating (default 3; 4 where two infertap rows are "
+        "compared; --quick: 1, or 2 there)",
+    )  # fmt: skip
+    p.add_argument(
+        "--rate", type=float, action="append", metavar="R",
+        help="an open-loop (poisson) rate in streams/s (repeatable; default 30 and 60)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-nginx", action="store_true", help="skip the nginx reference row even where nginx is installed"
+    )
     p.add_argument("--json", metavar="FILE", help="write every number to FILE")
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     return p
@@ -319,7 +370,23 @@ def main(argv: list[str]) -> int:
     if not os.path.exists("/proc/self/stat"):
         print("infertap bench: needs Linux /proc to read infertap's CPU time and memory", file=sys.stderr)
         return 2
-    chosen = [s for s in scenarios(args.quick) if not args.scenario or s.name in args.scenario]
+    if args.rounds is not None and args.rounds < 1:
+        print("infertap bench: --rounds must be at least 1", file=sys.stderr)
+        return 2
+    if args.rate and any(r <= 0 for r in args.rate):
+        print("infertap bench: --rate must be positive (streams per second)", file=sys.stderr)
+        return 2
+    rates = tuple(args.rate) if args.rate else POISSON_RATES
+    chosen = [
+        s for s in scenarios(args.quick, rates, args.rounds) if not args.scenario or s.name in args.scenario
+    ]
+    nginx = None if args.no_nginx else find_nginx()
+    if nginx is None:
+        why = "--no-nginx" if args.no_nginx else f"nginx is not installed: {INSTALL_HINT}"
+        chosen = [
+            Scenario(s.name, s.title, tuple(t for t in s.targets if t != NGINX), s.phases, s.rounds)
+            for s in chosen
+        ]
     # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the processes the bench started stop too.
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupted)
@@ -327,7 +394,9 @@ def main(argv: list[str]) -> int:
     # 1,000 held streams are ~2,000 sockets in the load generator and the upstream too; they
     # inherit this raised limit (and raise their own). infertap starts with the limit as it was.
     now = raise_nofile()
-    bench = Bench(args.quick, nofile=before)
+    bench = Bench(args.quick, nofile=before, nginx=nginx)
+    if nginx is None:
+        bench.notes.append(f"no nginx row ({why})")
     started = time.perf_counter()
     try:
         bench.start({t for s in chosen for t in s.targets})

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import sys
 import time
 from array import array
@@ -45,6 +46,11 @@ class Job:
     tokens: int = 100
     timeout_s: float = 60.0
     authorization: str = ""  # a client key, for an infertap that requires one
+    # Open loop: `rate` streams per second arriving as a Poisson process (seeded, so that every
+    # target of a round sees the same arrivals), however slowly the target answers; `concurrency`
+    # connections are opened up front and more as needed. 0: a closed loop of `concurrency` slots.
+    rate: float = 0.0
+    seed: int = 0
 
 
 @dataclass(slots=True)
@@ -112,6 +118,11 @@ class ClientConnection(asyncio.Protocol):
         self.is_sse = False
         self.remaining = 0  # content-length bodies
         self.keep_alive = True
+
+    @property
+    def usable(self) -> bool:
+        """Open, and not being closed (an answer with `connection: close` closes it)."""
+        return not self.closed and self.transport is not None and not self.transport.is_closing()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's do not subclass it
@@ -233,6 +244,66 @@ def _check(job: Job, out: _Outcome) -> str | None:
     return None
 
 
+async def _one(job: Job, res: JobResult, data: bytes, conn: ClientConnection) -> bool:
+    """One request on `conn`, recorded in `res`; False when the connection cannot be reused."""
+    t0 = time.perf_counter()
+    try:
+        out = await asyncio.wait_for(conn.request(data), job.timeout_s)
+    except TimeoutError:
+        res.errors[f"no complete answer within {job.timeout_s:g} s"] += 1
+        if conn.transport is not None:
+            conn.transport.close()
+        return False
+    problem = _check(job, out)
+    if problem:
+        res.errors[problem] += 1
+        return conn.usable
+    res.ok += 1
+    res.e2e.append(out.end - t0)
+    times = out.times
+    if times:
+        res.ttft.append(times[0] - t0)
+        res.tokens += len(times)
+        res.gaps.extend(b - a for a, b in zip(times, times[1:], strict=False))
+    else:
+        res.tokens += job.tokens  # non-streaming: the answer held them all
+    return conn.usable
+
+
+async def _open_loop(job: Job, res: JobResult, data: bytes, idle: list[ClientConnection]) -> JobResult:
+    """Poisson arrivals at `job.rate`: a request starts when its time comes, not when an earlier
+    one ends, so a slow target faces a growing queue instead of a slower load (closed loops hide
+    that, and start their streams in synchronised waves)."""
+    rng = random.Random(job.seed)
+    perf = time.perf_counter
+
+    async def one() -> None:
+        conn = None
+        while idle and conn is None:
+            conn = idle.pop()
+            if not conn.usable:  # closed while it waited (a keep-alive timeout, `connection: close`)
+                conn = None
+        if conn is None:
+            conn = await _connect(job.host, job.port)
+        if await _one(job, res, data, conn):
+            idle.append(conn)
+
+    tasks: list[asyncio.Task[None]] = []
+    start = due = perf()
+    for _ in range(job.count):
+        due += rng.expovariate(job.rate)
+        wait = due - perf()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        tasks.append(asyncio.create_task(one()))
+    await asyncio.gather(*tasks)
+    res.wall_s = perf() - start
+    for conn in idle:
+        if conn.transport is not None:
+            conn.transport.close()
+    return res
+
+
 async def run_job(job: Job) -> JobResult:
     res = JobResult(requests=job.count)
     data = request_bytes(job)
@@ -240,34 +311,16 @@ async def run_job(job: Job) -> JobResult:
     conns = await asyncio.gather(*(_connect(job.host, job.port) for _ in range(job.concurrency)))
     issued = 0
 
+    if job.rate > 0:
+        return await _open_loop(job, res, data, conns)
+
     async def slot(conn: ClientConnection) -> None:
         nonlocal issued
         while issued < job.count:
             issued += 1
-            if conn.closed:
+            if not conn.usable:
                 conn = await _connect(job.host, job.port)
-            t0 = time.perf_counter()
-            try:
-                out = await asyncio.wait_for(conn.request(data), job.timeout_s)
-            except TimeoutError:
-                res.errors[f"no complete answer within {job.timeout_s:g} s"] += 1
-                if conn.transport is not None:
-                    conn.transport.close()
-                continue
-            problem = _check(job, out)
-            if problem:
-                res.errors[problem] += 1
-                continue
-            res.ok += 1
-            res.e2e.append(out.end - t0)
-            times = out.times
-            if times:
-                res.ttft.append(times[0] - t0)
-                res.tokens += len(times)
-                res.gaps.extend(b - a for a, b in zip(times, times[1:], strict=False))
-            else:
-                res.tokens += job.tokens  # non-streaming: the answer held them all
-
+            await _one(job, res, data, conn)
         if conn.transport is not None:
             conn.transport.close()
 

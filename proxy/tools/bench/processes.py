@@ -144,6 +144,17 @@ def _popen(cmd: list[str], nofile: int | None = None, **kw: Any) -> subprocess.P
     return subprocess.Popen(cmd, preexec_fn=setup, **kw)
 
 
+def pin_child(pid: int, cpu: int | None) -> bool:
+    """Pins a just-started child to `cpu` (its threads and children inherit it); False if not."""
+    if cpu is None:
+        return False
+    try:
+        os.sched_setaffinity(pid, {cpu})
+    except OSError:
+        return False
+    return True
+
+
 def _stop(proc: subprocess.Popen[Any]) -> None:
     if proc.poll() is None:
         proc.terminate()
@@ -214,7 +225,10 @@ class LoadGenerator:
                 )
             if time.monotonic() > deadline:
                 raise BenchError(f"the load generator gave no result within {timeout_s:.0f} s")
-        result: JobResult = self.conn.recv()
+        try:
+            result: JobResult = self.conn.recv()
+        except EOFError:  # it died between poll() and recv(): its traceback is on stderr above
+            raise BenchError("the load generator exited mid-job; see its stderr above") from None
         self.busy = False
         return result
 
@@ -254,14 +268,14 @@ class Infertap:
         self.port = free_port()
         cmd = [
             sys.executable, "-m", "proxy", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-            "--upstream", f"bench={upstream_url}/v1", "--log-level", "warning",
+            "--upstream", f"bench={upstream_url}/v1",
         ]  # fmt: skip
         if workers > 1:
             cmd += ["--workers", str(workers)]
         # Hermetic: the caller's INFERTAP_* or OTEL_* settings (a config file, client keys, an OTLP
         # endpoint) would change what is measured.
+        # Otherwise as users run it: the defaults, the access log (one line per request) included.
         env = {k: v for k, v in os.environ.items() if not k.startswith(("INFERTAP_", "OTEL_"))}
-        env["INFERTAP_METRICS__ACCESS_LOG"] = "false"
         env.update(extra_env or {})
         if tracing_to:
             env["OTEL_EXPORTER_OTLP_ENDPOINT"] = tracing_to
@@ -271,14 +285,8 @@ class Infertap:
         # `nofile`: the soft limit the bench itself started with, so that what infertap does with
         # it (raise it to the hard limit, or not) shows in /proc/PID/limits.
         self.proc = _popen(cmd, nofile, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
-        self.pinned = False
-        if cpu is not None:
-            # Right after exec, before the interpreter starts any thread: all of them inherit it.
-            try:
-                os.sched_setaffinity(self.proc.pid, {cpu})
-                self.pinned = True
-            except OSError:
-                pass
+        # Right after exec, before the interpreter starts any thread: all of them inherit it.
+        self.pinned = pin_child(self.proc.pid, cpu)
         self.pids = [self.proc.pid]
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:

@@ -1,12 +1,15 @@
 """Numbers, targets and tables of `infertap bench`.
 
-A row is one (scenario, phase, target): what the load generator saw, and for an infertap target
-the proxy's CPU and memory. Comparisons with the direct row of the same phase are by quantile:
-added TTFT p99 = p99 through infertap minus p99 direct.
+A row is one (scenario, phase, target): what the load generator saw, and for a proxy target
+the proxy's CPU and memory. Each round gives its own rows, compared with the direct and nginx rows
+of the same round (by quantile: added TTFT p99 = p99 through the proxy minus p99 direct); a
+reported row holds the median over the rounds of every number, and the spread (min, max) of the
+ones that move most.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +19,7 @@ from proxy.tools.bench.loadgen import JobResult
 from proxy.tools.probe.stats import percentile
 
 DIRECT = "direct"
+NGINX = "nginx"
 
 
 @dataclass
@@ -63,7 +67,12 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def make_row(
-    scenario: str, phase: str, target: str, acc: Acc, direct: dict[str, Any] | None
+    scenario: str,
+    phase: str,
+    target: str,
+    acc: Acc,
+    direct: dict[str, Any] | None,
+    nginx: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     rps = acc.ok / acc.wall_s if acc.wall_s > 0 else 0.0
     row: dict[str, Any] = {
@@ -89,7 +98,63 @@ def make_row(
         row["added_gap_ms"] = _diff(row["gap_ms"], direct["gap_ms"])
         row["requests_per_s_ratio"] = _ratio(rps, direct["requests_per_s"])
         row["tokens_per_s_ratio"] = _ratio(row["tokens_per_s"], direct["tokens_per_s"])
+    if nginx is not None and target not in (DIRECT, NGINX):
+        row["nginx_requests_per_s_ratio"] = _ratio(rps, nginx["requests_per_s"])
+        row["nginx_cpu_ratio"] = _ratio(row["cpu_ms_per_request"], nginx["cpu_ms_per_request"])
+        row["added_ttft_vs_nginx_ms"] = _diff(row.get("added_ttft_ms"), nginx.get("added_ttft_ms"))
     return row
+
+
+# The numbers whose spread over the rounds a table shows.
+SPREAD = {
+    "added_ttft_p99": ("added_ttft_ms", "p99"),
+    "ttft_p99": ("ttft_ms", "p99"),
+    "requests_per_s": ("requests_per_s", None),
+    "cpu_ms_per_request": ("cpu_ms_per_request", None),
+}
+
+
+def _get(row: dict[str, Any], key: str, q: str | None) -> float | None:
+    v = row.get(key)
+    if q is not None:
+        v = v.get(q) if isinstance(v, dict) else None
+    return float(v) if isinstance(v, int | float) else None
+
+
+def median_row(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One target's rows from each round -> the reported row: counts summed, every other number
+    the median over the rounds, and `spread`: {name: [min, max]} for SPREAD's numbers."""
+    if len(rounds) == 1:
+        row = dict(rounds[0])
+    else:
+        row = dict(rounds[-1])  # labels, and extras such as the held streams of the last round
+        for key in ("requests", "ok", "errors"):
+            row[key] = sum(r[key] for r in rounds)
+        row["wall_s"] = round(sum(r["wall_s"] for r in rounds), 3)
+        kinds: Counter[str] = Counter()
+        for r in rounds:
+            kinds.update(r["error_kinds"])
+        row["error_kinds"] = dict(kinds.most_common(5))
+        for key, v in rounds[0].items():
+            if key in ("requests", "ok", "errors", "wall_s", "error_kinds"):
+                continue
+            if isinstance(v, dict) and set(v) == {"p50", "p99"}:
+                row[key] = {q: _median([_get(r, key, q) for r in rounds]) for q in ("p50", "p99")}
+            elif isinstance(v, int | float) and not isinstance(v, bool):
+                row[key] = _median([_get(r, key, None) for r in rounds])
+    row["rounds"] = len(rounds)
+    spread: dict[str, list[float]] = {}
+    for name, (key, q) in SPREAD.items():
+        vals = [x for x in (_get(r, key, q) for r in rounds) if x is not None]
+        if vals:
+            spread[name] = [min(vals), max(vals)]
+    row["spread"] = spread
+    return row
+
+
+def _median(vals: list[float | None]) -> float | None:
+    xs = [v for v in vals if v is not None]
+    return statistics.median(xs) if xs else None
 
 
 # --- targets -------------------------------------------------------------------------------------
@@ -130,56 +195,73 @@ def _q(row: dict[str, Any], key: str, q: str) -> float:
     return float(row[key][q])
 
 
+def _proxy(r: dict[tuple[str, str], dict[str, Any]], phase: str, key: str) -> float | None:
+    v = r[phase, "infertap"].get(key)
+    return None if v is None else float(v)
+
+
 def targets() -> list[Target]:
-    """The overhead budget of issue 8. Keys are (phase, target)."""
+    """The budget of issue 17 (ratios to nginx where nginx ran: without it those read n/a), and the
+    ones kept from issue 8. Keys are (phase, target)."""
     return [
         Target(
             "added TTFT p50, realistic c=1",
             "realistic",
             "ms",
-            1.0,
+            0.5,
             True,
             lambda r: _q(r["c=1", "infertap"], "added_ttft_ms", "p50"),
         ),
         Target(
-            "added TTFT p99, realistic c=64",
+            "CPU per paced stream, realistic c=1, x nginx",
             "realistic",
-            "ms",
-            5.0,
+            "x",
+            2.0,
             True,
-            lambda r: _q(r["c=64", "infertap"], "added_ttft_ms", "p99"),
+            lambda r: _proxy(r, "c=1", "nginx_cpu_ratio"),
         ),
         Target(
-            "inter-token gap p99 minus direct, realistic c=64",
-            "realistic",
+            "added TTFT p99 minus nginx's, Poisson 60/s",
+            "poisson",
             "ms",
-            1.0,
+            2.0,
             True,
-            lambda r: _q(r["c=64", "infertap"], "added_gap_ms", "p99"),
+            lambda r: _q(r["60/s", "infertap"], "added_ttft_vs_nginx_ms", "p99"),
         ),
         Target(
-            "zero-delay 100-token streams at c=64",
+            "CPU per paced stream, Poisson 60/s, x nginx",
+            "poisson",
+            "x",
+            2.0,
+            True,
+            lambda r: _proxy(r, "60/s", "nginx_cpu_ratio"),
+        ),
+        Target(
+            "non-streaming zero-delay at c=64, x nginx req/s",
             "throughput",
-            "streams/s",
-            300,
+            "x",
+            0.75,
             False,
-            lambda r: float(r["stream c=64", "infertap"]["requests_per_s"]),
+            lambda r: _proxy(r, "non-stream c=64", "nginx_requests_per_s_ratio"),
         ),
         Target(
             "proxy CPU per zero-delay stream",
             "throughput",
             "ms",
-            3.0,
+            0.6,
             True,
-            lambda r: r["stream c=64", "infertap"]["cpu_ms_per_request"],
+            lambda r: _proxy(r, "stream c=64", "cpu_ms_per_request"),
         ),
         Target(
-            "non-streaming zero-delay at c=64",
-            "throughput",
-            "requests/s",
-            2000,
-            False,
-            lambda r: float(r["non-stream c=64", "infertap"]["requests_per_s"]),
+            "CPU per stream, overhead metrics on / off",
+            "selfcost",
+            "x",
+            1.02,
+            True,
+            lambda r: _ratio(
+                r["stream c=64", "infertap"]["cpu_ms_per_request"],
+                r["stream c=64", "infertap, overhead metrics off"]["cpu_ms_per_request"],
+            ),
         ),
         Target(
             "CPU per request, tracing on / off",
@@ -207,8 +289,9 @@ def targets() -> list[Target]:
 # --- tables --------------------------------------------------------------------------------------
 
 _COLUMNS = [
-    "phase", "target", "ok/req", "err", "TTFT p50/p99", "+TTFT p50/p99", "gap p50/p99", "+gap p99",
-    "e2e p50/p99", "req/s", "tok/s", "x direct", "CPU ms/req", "RSS MB now/peak",
+    "phase", "target", "ok/req", "err", "TTFT p50/p99", "+TTFT p50/p99", "+TTFT p99 range", "gap p50/p99",
+    "+gap p99", "e2e p50/p99", "req/s", "x direct", "x nginx", "CPU ms/req", "CPU range", "CPU x nginx",
+    "RSS MB now/peak",
 ]  # fmt: skip
 
 
@@ -221,6 +304,14 @@ def _pair(d: dict[str, float] | None, signed: bool = False) -> str:
 
 def _num(v: float | None, fmt: str = "{:.0f}") -> str:
     return "-" if v is None else fmt.format(v)
+
+
+def _range(row: dict[str, Any], name: str, fmt: str) -> str:
+    """min..max over the rounds (a single round has none)."""
+    lo_hi = row.get("spread", {}).get(name)
+    if lo_hi is None or row.get("rounds", 1) < 2:
+        return "-"
+    return f"{fmt.format(lo_hi[0])}..{fmt.format(lo_hi[1])}"
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
@@ -237,13 +328,16 @@ def _cells(row: dict[str, Any]) -> list[str]:
         str(row["errors"]),
         _pair(row["ttft_ms"]),
         _pair(row.get("added_ttft_ms"), signed=True),
+        _range(row, "added_ttft_p99", "{:+.2f}"),
         _pair(row["gap_ms"]),
         "-" if not added_gap else f"{added_gap['p99']:+.2f}",
         _pair(row["e2e_ms"]),
         _num(row["requests_per_s"]),
-        _num(row["tokens_per_s"]),
         _num(row.get("requests_per_s_ratio"), "{:.2f}"),
+        _num(row.get("nginx_requests_per_s_ratio"), "{:.2f}"),
         _num(row.get("cpu_ms_per_request"), "{:.2f}"),
+        _range(row, "cpu_ms_per_request", "{:.2f}"),
+        _num(row.get("nginx_cpu_ratio"), "{:.2f}"),
         rss,
     ]
 
@@ -290,8 +384,10 @@ def render(report: dict[str, Any], markdown: bool) -> str:
             lines.append(f"{bullet}{_verdict(c)}  {c['name']}: {v} (target {c['target']})")
         lines.append("")
     lines.append(
-        "Times in ms; +X is infertap minus direct, quantile by quantile; gap = inter-token gap at the "
-        "client; x direct = req/s ratio; CPU = infertap's utime+stime per completed request."
+        "Times in ms; +X is the proxy minus direct, quantile by quantile; gap = inter-token gap at the "
+        "client; x direct, x nginx = req/s ratios; CPU = the proxy's utime+stime per completed request; "
+        "each number is the median over the rounds (target order rotating), range = min..max over them. "
+        "Under contention the direct row's own p99 rises: read the rows against it."
     )
     if report.get("quick"):
         lines.append("--quick: tiny counts, the verdicts are indicative only.")

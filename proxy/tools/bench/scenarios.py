@@ -1,11 +1,12 @@
-"""The bench's scenarios: what each one runs, direct and through infertap, and its targets."""
+"""The bench's scenarios: what each one runs, direct, through nginx and through infertap, and its
+targets."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
-from proxy.tools.bench.report import DIRECT
+from proxy.tools.bench.report import DIRECT, NGINX
 
 PROXY, TRACED, WORKERS = "infertap", "infertap+tracing", "infertap --workers 2"
 # Tracing to an OTLP endpoint where nothing listens: requests must not notice.
@@ -17,6 +18,9 @@ LOOPS_ON = "infertap, loop detection on"
 # Spend ([spend] prices) and named clients (a client key per request, checked and named) are off by
 # default; this one has both on, to show what pricing every request and naming its client cost.
 SPEND_ON = "infertap, spend + named clients on"
+# infertap_overhead_seconds and the loop-lag probe are on by default; this one runs without them.
+OVERHEAD_OFF = "infertap, overhead metrics off"
+POISSON_RATES = (30.0, 60.0)
 BENCH_KEY = "sk-bench-client"
 SPEND_ENV = {
     "INFERTAP_AUTH__KEYS_ENV": "INFERTAP_BENCH_CLIENT_KEYS",
@@ -50,6 +54,7 @@ class Phase:
     itl_ms: float = 0.0
     tokens: int = 100
     hold: bool = False  # sample infertap's RSS while every stream of the phase is open
+    rate: float = 0.0  # open loop: Poisson arrivals per second (concurrency: connections opened up front)
 
 
 @dataclass(frozen=True)
@@ -58,12 +63,21 @@ class Scenario:
     title: str
     targets: tuple[str, ...]
     phases: tuple[Phase, ...]
-    rounds: int = 2
+    rounds: int = 3
 
 
-def scenarios(quick: bool) -> list[Scenario]:
+def scenarios(
+    quick: bool, rates: tuple[float, ...] = POISSON_RATES, rounds: int | None = None
+) -> list[Scenario]:
     def n(full: int, small: int) -> int:
         return small if quick else full
+
+    def poisson(rate: float) -> Phase:  # a real engine's pace, arriving at random
+        seconds = n(10, 2)  # per round
+        # Connections for the streams open at once (rate x stream time), and some to spare.
+        conns = int(rate * (0.05 + 0.01 * n(100, 10)) * 1.5) + 4
+        count = int(rate * seconds) * (1 if quick else 3)
+        return Phase(f"{rate:g}/s", True, conns, count, 50.0, 10.0, n(100, 10), rate=rate)
 
     def realistic(c: int, count: int) -> Phase:  # a real engine's pace: TTFT 50 ms, 10 ms per token
         return Phase(f"c={c}", True, c, count, ttft_ms=50.0, itl_ms=10.0, tokens=n(100, 10))
@@ -71,27 +85,30 @@ def scenarios(quick: bool) -> list[Scenario]:
     zero_delay = Phase("stream c=64", True, 64, n(3000, 64))
     held = n(1000, 100)  # idle-ish: a long TTFT keeps them all open at once, then a few tokens
     memory = Phase(f"{held} held", True, held, held, ttft_ms=n(5000, 1000), itl_ms=10.0, tokens=5, hold=True)
-    return [
+    out = [
         Scenario(
             "overhead",
             "sequential zero-delay 100-token streams: per-request overhead",
-            (DIRECT, PROXY),
+            (DIRECT, NGINX, PROXY),
             (Phase("c=1", True, 1, n(300, 20)),),
-            rounds=n(3, 1),
         ),
         Scenario(
             "realistic",
             "TTFT 50 ms, tokens 10 ms apart: added TTFT and inter-token gaps",
-            (DIRECT, PROXY),
-            (realistic(1, n(10, 2)), realistic(16, n(32, 16)), realistic(64, n(128, 64))),
-            rounds=n(2, 1),
+            (DIRECT, NGINX, PROXY),
+            (realistic(1, n(15, 2)), realistic(16, n(48, 16)), realistic(64, n(192, 64))),
+        ),
+        Scenario(
+            "poisson",
+            "open loop: streams arriving at random (Poisson) at a fixed rate, TTFT 50 ms, tokens 10 ms apart",
+            (DIRECT, NGINX, PROXY),
+            tuple(poisson(r) for r in rates),
         ),
         Scenario(
             "throughput",
             "zero-delay streams and non-streaming requests at c=64",
-            (DIRECT, PROXY),
-            (zero_delay, Phase("non-stream c=64", False, 64, n(5000, 128))),
-            rounds=n(2, 1),
+            (DIRECT, NGINX, PROXY),
+            (zero_delay, Phase("non-stream c=64", False, 64, n(6000, 128))),
         ),
         Scenario(
             "memory",
@@ -106,21 +123,25 @@ def scenarios(quick: bool) -> list[Scenario]:
             "and to a closed port)",
             (DIRECT, PROXY, TRACED, DEAD_COLLECTOR),
             (zero_delay,),
-            rounds=n(2, 1),
         ),
         Scenario(
             "ui",
             "the zero-delay streams with the /ui live view on (the default) and off",
             (DIRECT, PROXY, UI_OFF),
             (zero_delay,),
-            rounds=n(2, 1),
+        ),
+        Scenario(
+            "selfcost",
+            "the zero-delay streams with infertap's own overhead metrics on (the default) and off",
+            (DIRECT, PROXY, OVERHEAD_OFF),
+            (zero_delay,),
+            rounds=4,
         ),
         Scenario(
             "loops",
             "the zero-delay streams with loop detection ([loops]) off (the default) and on",
             (DIRECT, PROXY, LOOPS_ON),
             (zero_delay,),
-            rounds=n(2, 1),
         ),
         Scenario(
             "spend",
@@ -128,13 +149,18 @@ def scenarios(quick: bool) -> list[Scenario]:
             "(the default) and on",
             (DIRECT, PROXY, SPEND_ON),
             (zero_delay,),
-            rounds=n(4, 1),
+            rounds=4,
         ),
         Scenario(
             "workers",
             "the zero-delay streams with --workers 2",
             (DIRECT, PROXY, WORKERS),
             (zero_delay,),
-            rounds=n(2, 1),
         ),
     ]
+    for i, sc in enumerate(out):
+        if quick or rounds is not None:
+            # --quick: one round (two where a ratio between infertap's own rows is the point).
+            want = rounds if rounds is not None else (2 if sc.rounds > 3 else 1)
+            out[i] = Scenario(sc.name, sc.title, sc.targets, sc.phases, 1 if sc.name == "memory" else want)
+    return out
