@@ -5,6 +5,7 @@
 # is pointed at the system chromedriver, never at its own browser manager.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/apt_install.sh
 PY=.venv/bin/python
 [ -x "$PY" ] || { echo "install_browser: no .venv (run scripts/bootstrap first)" >&2; exit 1; }
 
@@ -12,14 +13,7 @@ missing_apt=()
 command -v chromium >/dev/null || missing_apt+=(chromium)
 [ -x /usr/bin/chromedriver ] || command -v chromedriver >/dev/null || missing_apt+=(chromium-driver)
 if [ ${#missing_apt[@]} -gt 0 ]; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "==> apt-get install ${missing_apt[*]}" >&2
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get -o DPkg::Lock::Timeout=300 update -qq
-    apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends "${missing_apt[@]}" >/dev/null
-  else
-    echo "==> cannot install ${missing_apt[*]} here (not root or no apt-get): the browser test will skip" >&2
-  fi
+  apt_install "the browser test" "${missing_apt[@]}"
 fi
 
 if ! "$PY" -c 'import selenium' 2>/dev/null; then

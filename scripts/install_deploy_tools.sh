@@ -8,6 +8,7 @@
 # where systemd runs; policy-rc.d keeps them from starting, and none is left running.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/apt_install.sh
 PY=.venv/bin/python
 [ -x "$PY" ] || { echo "install_deploy_tools: no .venv (run scripts/bootstrap first)" >&2; exit 1; }
 
@@ -15,24 +16,7 @@ missing_apt=()
 command -v promtool >/dev/null && command -v prometheus >/dev/null || missing_apt+=(prometheus)
 command -v amtool >/dev/null || missing_apt+=(prometheus-alertmanager)
 if [ ${#missing_apt[@]} -gt 0 ]; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "==> apt-get install ${missing_apt[*]}" >&2
-    export DEBIAN_FRONTEND=noninteractive
-    policy=/usr/sbin/policy-rc.d
-    created_policy=0
-    if [ ! -e "$policy" ]; then
-      printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod +x "$policy" && created_policy=1
-    fi
-    trap '[ "$created_policy" = 1 ] && rm -f "$policy"' EXIT
-    apt-get -o DPkg::Lock::Timeout=300 update -qq
-    apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends "${missing_apt[@]}" >/dev/null
-    # Where a service did start anyway (an init system that ignores policy-rc.d), stop it.
-    for svc in prometheus prometheus-alertmanager; do
-      if command -v service >/dev/null; then service "$svc" stop >/dev/null 2>&1 || true; fi
-    done
-  else
-    echo "==> cannot install ${missing_apt[*]} here (not root or no apt-get): those tests will skip" >&2
-  fi
+  apt_install "those tests" "${missing_apt[@]}"
 fi
 
 if ! "$PY" -c 'import jsonschema' 2>/dev/null || [ ! -x .venv/bin/docker-compose ] \
