@@ -23,8 +23,9 @@ from proxy.settings import LoopSettings, TimeoutSettings
 from proxy.sim import create_sim_app
 from proxy.sim.config import SimConfig, sim_config_from_dict
 from proxy.tools.doctor import cli as doctor
+from proxy.tools.doctor.evidence import Inputs
 from proxy.tools.doctor.exposition import Samples, delta, parse
-from proxy.tools.doctor.rules import FAULTS, Inputs, diagnose
+from proxy.tools.doctor.rules import FAULTS, diagnose
 from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import make_settings, run_proxy, serve_in_thread, wait_until
 

@@ -15,7 +15,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from proxy.tools.doctor.rules import Inputs, Thresholds, diagnose, fmt_s, needs, summary
+from proxy.tools.doctor.evidence import Inputs, Thresholds, fmt_s, needs, summary
+from proxy.tools.doctor.rules import diagnose
 from proxy.tools.doctor.sources import DEFAULT_METRICS, SourceError, collect
 
 __all__ = ["DEFAULT_METRICS", "SourceError", "build_parser", "main"]

@@ -16,8 +16,8 @@ from typing import Any
 
 import httpx
 
+from proxy.tools.doctor.evidence import ENGINE_GAUGES, Inputs
 from proxy.tools.doctor.exposition import ExpositionError, Labels, Samples, delta, from_vector, parse
-from proxy.tools.doctor.rules import ENGINE_GAUGES, Inputs
 
 DEFAULT_METRICS = "http://127.0.0.1:8080/metrics"
 # The classic text format: an OpenMetrics scrape may rename `vllm:` series (both are accepted).
