@@ -18,8 +18,9 @@ import pytest
 from proxy.tools.bench import upstream as up
 from proxy.tools.bench.loadgen import ClientConnection, Job, _check, run_job
 from proxy.tools.bench.nginx import find_nginx
-from proxy.tools.bench.report import median_row, targets
+from proxy.tools.bench.report import median_row
 from proxy.tools.bench.scenarios import scenarios
+from proxy.tools.bench.targets import targets
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -29,9 +29,11 @@ from proxy import __version__
 from proxy.oslimits import raise_nofile
 from proxy.tools.bench.nginx import INSTALL_HINT, find_nginx
 from proxy.tools.bench.processes import BenchError, affinity, open_files_limit
-from proxy.tools.bench.report import NGINX, render, targets
+from proxy.tools.bench.report import NGINX
 from proxy.tools.bench.runner import Bench, log
 from proxy.tools.bench.scenarios import POISSON_RATES, PROXY, Scenario, scenarios
+from proxy.tools.bench.tables import render
+from proxy.tools.bench.targets import targets
 
 
 def _machine(bench: Bench, nofile: tuple[int, int]) -> dict[str, Any]:
