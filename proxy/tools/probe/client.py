@@ -8,24 +8,28 @@ test is the proxy's own `proxy.sse` scanner, so probe and proxy agree on what a 
 output token count comes from the usage chunk (asked for with stream_options.include_usage) or,
 when the server sends none, from counting content events. `run_many` runs N requests at
 concurrency C. Failures become a `Result` with an error kind and a one-line message, never an
-exception, and the API key never appears in any message.
+exception (failures.py words them), and the API key never appears in any message.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
-import orjson
 
-from proxy.sse import ResponsesScanner, SSEScanner, event_data, usage_tokens
-from proxy.tools.probe.target import DEFAULT_KEY_ENV, Target, ToolError
+from proxy.sse import ResponsesScanner, SSEScanner, usage_tokens
+from proxy.tools.probe.failures import (
+    Failure,
+    describe_exception,
+    http_failure,
+    status_text,
+    stream_error_text,
+)
+from proxy.tools.probe.target import Target, ToolError
 
 MAX_BACKOFF_S = 30.0
 
@@ -77,14 +81,6 @@ class Result:
             "error_kind": self.error_kind,
             "error": self.error,
         }
-
-
-class _Failure(Exception):
-    def __init__(self, kind: str, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-        self.status = status
 
 
 # -- one request ------------------------------------------------------------------------------
@@ -139,12 +135,12 @@ async def prepare(client: httpx.AsyncClient, target: Target, *, warmup: bool = T
     except httpx.HTTPError as e:
         if target.model:
             return target
-        _, msg = _describe_exception(e, url, got_headers=False)
+        _, msg = describe_exception(e, url, got_headers=False)
         raise ToolError(f"no --model given and GET {url} failed: {msg}") from None
     if target.model:
         return target
     if resp.status_code != 200:
-        raise ToolError(f"no --model given and GET {url} answered {_status_text(resp, target)}")
+        raise ToolError(f"no --model given and GET {url} answered {status_text(resp, target)}")
     try:
         ids = [m["id"] for m in resp.json()["data"] if isinstance(m.get("id"), str)]
     except (ValueError, KeyError, TypeError, AttributeError):
@@ -165,7 +161,7 @@ async def measure_one(client: httpx.AsyncClient, target: Target, prompt: str, in
             await _attempt(client, target, prompt, result)
             result.ok = True
             return result
-        except _Failure as f:
+        except Failure as f:
             result.error_kind, result.error, result.status = f.kind, f.message, f.status
             if f.kind == "stream_options_rejected":
                 # An older server that refuses stream_options: fail open, count events instead,
@@ -191,11 +187,11 @@ async def _attempt(client: httpx.AsyncClient, target: Target, prompt: str, resul
             result.status = resp.status_code
             if resp.status_code != 200:
                 await resp.aread()
-                raise _http_failure(resp, target)
+                raise http_failure(resp, target)
             ctype = resp.headers.get("content-type", "")
             if "event-stream" not in ctype:
                 await resp.aread()
-                raise _Failure(
+                raise Failure(
                     "protocol_error",
                     f"{url} answered {ctype or 'without a content type'}, not an event stream "
                     "(does the server support stream: true?)",
@@ -210,16 +206,16 @@ async def _attempt(client: httpx.AsyncClient, target: Target, prompt: str, resul
                         result.ttft_s = now - started
                     result.content_events += outputs
                 if scanner.facts.error_events:
-                    raise _Failure("stream_error", _stream_error_text(complete), resp.status_code)
+                    raise Failure("stream_error", stream_error_text(complete), resp.status_code)
                 if done_at is None and scanner.facts.done:
                     done_at = now  # the clock stops at [DONE]; the rest is only drained
             ended = done_at if done_at is not None else time.perf_counter()
     except httpx.HTTPError as e:
-        kind, msg = _describe_exception(e, url, got_headers, result.content_events, target.read_timeout)
-        raise _Failure(kind, msg, result.status) from None
+        kind, msg = describe_exception(e, url, got_headers, result.content_events, target.read_timeout)
+        raise Failure(kind, msg, result.status) from None
     facts = scanner.facts
     if result.ttft_s is None:
-        raise _Failure("no_output", "the stream ended without any output text", result.status)
+        raise Failure("no_output", "the stream ended without any output text", result.status)
     result.total_s = ended - started
     prompt_tokens, completion = usage_tokens(facts.usage or {})
     if isinstance(completion, int) and completion > 0:
@@ -228,106 +224,6 @@ async def _attempt(client: httpx.AsyncClient, target: Target, prompt: str, resul
         result.output_tokens, result.token_source = result.content_events, "counted"
     result.prompt_tokens = prompt_tokens if isinstance(prompt_tokens, int) else None
     result.finish_reason = facts.finish_reasons[-1] if facts.finish_reasons else None
-
-
-def _stream_error_text(events: bytes) -> str:
-    for raw in events.split(b"\n\n"):
-        if b'"error"' not in raw:
-            continue
-        try:
-            obj = orjson.loads(event_data(raw))
-        except orjson.JSONDecodeError:
-            continue
-        err = obj.get("error") if isinstance(obj, dict) else None
-        if isinstance(err, dict) and err.get("message"):
-            return f"the server sent an error event mid-stream: {err['message']}"
-    return "the server sent an error event mid-stream"
-
-
-def _status_text(resp: httpx.Response, target: Target) -> str:
-    message = ""
-    try:
-        err = resp.json().get("error")
-        if isinstance(err, dict):
-            message = str(err.get("message") or "")
-        elif isinstance(err, str):
-            message = err
-    except (ValueError, AttributeError):
-        message = resp.text[:200].strip()
-    text = f"HTTP {resp.status_code}"
-    if message:
-        text += f": {message[:300]}"
-    if resp.status_code in (401, 403):
-        env = target.api_key_env or DEFAULT_KEY_ENV
-        state = "is set but was refused" if target.api_key() else "is not set"
-        text += f" (the API key comes from ${env}, which {state}; see --api-key-env)"
-    elif resp.status_code == 404:
-        text += " (is the base URL right? OpenAI-compatible servers usually want it to end in /v1)"
-    return text
-
-
-def _http_failure(resp: httpx.Response, target: Target) -> _Failure:
-    code = resp.status_code
-    text = f"{target.url} answered {_status_text(resp, target)}"
-    asked = target.include_usage and not target.learned.get("no_stream_options")
-    if code == 400 and asked and b"stream_options" in resp.content:
-        return _Failure("stream_options_rejected", text, code)
-    if code in (401, 403):
-        kind = "auth_error"
-    elif code == 429:
-        kind = "rate_limited"
-    elif code >= 500:
-        kind = "upstream_error"
-    else:
-        kind = "client_error"
-    return _Failure(kind, text, code)
-
-
-def _describe_exception(
-    e: httpx.HTTPError,
-    url: str,
-    got_headers: bool,
-    content_events: int = 0,
-    read_timeout: float | None = None,
-) -> tuple[str, str]:
-    where = urlsplit(url).netloc
-    if isinstance(e, httpx.ConnectTimeout):
-        return "connect_timeout", f"connecting to {where} timed out"
-    if isinstance(e, httpx.ConnectError):
-        reason = str(e) or type(e).__name__
-        if _caused_by(e, ConnectionRefusedError) or "refused" in reason.lower():
-            reason = "connection refused: is the server running?"
-        elif _caused_by(e, socket.gaierror) or "name or service not known" in reason.lower():
-            # The seed's settings.json names taotoken.net: offline, say how to measure locally.
-            reason += "; offline? --base-url http://127.0.0.1:8080/v1 measures infertap on this machine"
-        return "connect_error", f"cannot connect to {where} ({reason})"
-    if isinstance(e, httpx.ReadTimeout):
-        limit = f" within the read timeout ({read_timeout:g} s)" if read_timeout else ""
-        if not got_headers:
-            return "read_timeout", f"{where} sent no response{limit}"
-        if not content_events:
-            return "ttft_timeout", f"{where} sent no output text{limit}"
-        return "idle_timeout", f"{where} went silent mid-stream after {content_events} content events{limit}"
-    if isinstance(e, httpx.TimeoutException):
-        return "timeout", f"{where}: {type(e).__name__}"
-    if isinstance(e, httpx.RemoteProtocolError | httpx.ReadError):
-        if content_events:
-            return "stream_interrupted", f"{where} closed the stream after {content_events} content events"
-        if got_headers:
-            return "stream_interrupted", f"{where} closed the stream before any output"
-        return "connect_error", f"{where} closed the connection ({type(e).__name__})"
-    return "protocol_error", f"{where}: {type(e).__name__}: {e}"
-
-
-def _caused_by(e: BaseException, kind: type[BaseException]) -> bool:
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        if isinstance(cur, kind):
-            return True
-        seen.add(id(cur))
-        cur = cur.__cause__ or cur.__context__
-    return False
 
 
 # -- many requests ----------------------------------------------------------------------------
