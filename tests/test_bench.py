@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from proxy.tools.bench import upstream as up
-from proxy.tools.bench.loadgen import ClientConnection, Job, _check, run_job
+from proxy.tools.bench.connection import ClientConnection
+from proxy.tools.bench.loadgen import Job, _check, run_job
 from proxy.tools.bench.nginx import find_nginx
 from proxy.tools.bench.report import median_row
 from proxy.tools.bench.scenarios import scenarios
