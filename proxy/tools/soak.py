@@ -206,7 +206,7 @@ def run_soak(args: argparse.Namespace) -> Report:
             "INFERTAP_RETRY__BACKOFF_SECONDS": "0.05",
             # The faults are deliberate: keep the circuit breaker from turning clean streams away,
             # so that every stream exercises the data path.
-            "INFERTAP_CIRCUIT__FAILURE_THRESHOLD": "1000000",
+            "INFERTAP_CIRCUIT__MIN_CALLS": "1000000",
         }
         cmd = [
             sys.executable,
