@@ -48,11 +48,10 @@ class Peers:
         """The configuration published last, as JSON; marks it applied."""
         # The counter before the file: a publish in between gives the newer file with the older
         # counter, so the next request applies it again (harmless), never an older file as newer.
-        generation = self._generation[0]
+        # Marked first: should the read fail, the caller says so once, not on every request.
+        self.seen = self._generation[0]
         with open(self._settings, encoding="utf-8") as f:
-            text = f.read()
-        self.seen = generation
-        return text
+            return f.read()
 
     def publish(self, text: str) -> None:
         """Called by the worker that reloaded, after it applied `text` itself."""

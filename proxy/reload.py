@@ -125,7 +125,7 @@ class Reloader:
         assert self.peers is not None
         try:
             self.apply(Settings.model_validate_json(self.peers.take()))
-        except ConfigError as e:  # the environment differs from the publisher's: say so, keep serving
+        except (ConfigError, ValueError, OSError) as e:  # not expected (same file, same environment)
             log.error("another worker's reload was NOT applied here (the running configuration stays): %s", e)
 
     def apply(self, loaded: Settings) -> Applied:

@@ -4,15 +4,22 @@ it. Regression: only the worker that answered reloaded; the other kept routing t
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
 from proxy.peers import Peers, prepare
+from proxy.reload import Access, Reloader
+from proxy.settings import ConfigError, Settings, load_settings
 from proxy.tools.fake_upstream import FakeUpstream
+from proxy.upstream import Router
 from tests.conftest import serve_in_thread, serve_process, wait_until
 from tests.test_reload import ADMIN, BROKEN, ENV, Conf, World, chat, headers
 
@@ -95,3 +102,81 @@ def test_peers_publish_and_catch_up(tmp_path: Path) -> None:
     finally:
         one.close()
         two.close()
+
+
+class _Worker:
+    """A reload target as a worker's app is one (proxy.reload.Target), without the server."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.routing = Router.from_settings(settings)
+        self.memory: set[str] = set()
+
+    def swap(self, settings: Settings, access: Access, router: Router) -> None:
+        self.settings, self.routing = settings, router
+
+    def stream_options_memory(self) -> set[str]:
+        return self.memory
+
+    def handle(self, reloader: Reloader) -> str:
+        """What the app does before each request, then where model m goes."""
+        assert reloader.peers is not None
+        if reloader.peers.behind():
+            reloader.catch_up()
+        return self.routing.route("m").name
+
+
+def _file(to: str, idle: int) -> str:
+    """Model m goes to upstream `to`."""
+    model = "m" if to == "a" else "x"
+    return (
+        f"[timeouts]\nidle = {idle}\n"
+        f'[[upstreams]]\nname = "a"\nbase_url = "http://127.0.0.1:9/v1"\nmodels = ["{model}"]\n'
+        '[[upstreams]]\nname = "b"\nbase_url = "http://127.0.0.1:10/v1"\ndefault = true\n'
+    )
+
+
+class ReloadsAcrossWorkers(RuleBasedStateMachine):
+    """Reloads (good and broken files) on random workers of three, requests on random workers: every
+    request follows the last reload that succeeded, wherever it was answered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = tempfile.TemporaryDirectory()
+        prepare(self.dir.name)
+        self.path = Path(self.dir.name) / "config.toml"
+        self.path.write_text(_file("a", 30))
+        self.expected = ("a", 30.0)
+        self.workers: list[tuple[_Worker, Reloader]] = []
+        for _ in range(3):
+            worker = _Worker(load_settings(self.path))
+            reloader = Reloader(worker, lambda: load_settings(self.path))
+            reloader.peers = Peers(self.dir.name)
+            self.workers.append((worker, reloader))
+
+    @rule(i=st.integers(0, 2), to=st.sampled_from("ab"), idle=st.integers(1, 60), broken=st.booleans())
+    def reload(self, i: int, to: str, idle: int, broken: bool) -> None:
+        worker, reloader = self.workers[i]
+        worker.handle(reloader)  # the POST is a request too: the worker catches up first
+        self.path.write_text(_file(to, -idle if broken else idle))
+        if broken:
+            with pytest.raises(ConfigError, match="timeouts.idle"):
+                reloader.reload()
+        else:
+            reloader.reload()
+            self.expected = (to, float(idle))
+
+    @rule(i=st.integers(0, 2))
+    def request(self, i: int) -> None:
+        worker, reloader = self.workers[i]
+        assert (worker.handle(reloader), worker.settings.timeouts.idle) == self.expected
+
+    def teardown(self) -> None:
+        for _, reloader in self.workers:
+            assert reloader.peers is not None
+            reloader.peers.close()
+        self.dir.cleanup()
+
+
+def test_reloads_across_workers() -> None:
+    run_state_machine_as_test(ReloadsAcrossWorkers, settings=settings(max_examples=50, deadline=None))
