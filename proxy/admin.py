@@ -87,6 +87,10 @@ class ReloadResult(BaseModel):
     reloaded: bool
     applied: list[str] = Field(description="sections that changed and now apply to new requests")
     restart_needed: list[str] = Field(description="sections that changed but run on until a restart")
+    workers: int = Field(
+        description="worker processes it applies to (--workers): the one that answered at once, each "
+        "other one before the next request it handles"
+    )
 
 
 @router.get("/upstreams", response_model=list[UpstreamState], summary="Each upstream's state")
@@ -139,8 +143,9 @@ async def config(request: Request) -> EffectiveConfig:
     response_model=ReloadResult,
     summary="Reload the configuration file (as SIGHUP does)",
     description="Upstreams and routing, keys, timeouts, retries and the circuit settings apply to new "
-    "requests; requests in flight finish on the settings they started with. A file that does not load "
-    "is rejected with the field named, and the running configuration stays.",
+    "requests; requests in flight finish on the settings they started with. With --workers N every "
+    "worker applies it (none restarts). A file that does not load is rejected with the field named, "
+    "and the running configuration stays, in every worker.",
     responses={
         400: {"model": ErrorResponse, "description": "the file is invalid: nothing changed"},
         409: {"model": ErrorResponse, "description": "this infertap has no configuration file to reload"},
@@ -156,4 +161,7 @@ async def reload(request: Request) -> ReloadResult:
         raise ApiError(
             400, f"the configuration was NOT reloaded (the running one stays): {e}", code="invalid_config"
         ) from None
-    return ReloadResult(reloaded=True, applied=applied.changed, restart_needed=applied.restart_needed)
+    workers = app.settings.server.workers if app.reloader.peers is not None else 1
+    return ReloadResult(
+        reloaded=True, applied=applied.changed, restart_needed=applied.restart_needed, workers=workers
+    )

@@ -30,6 +30,7 @@ from proxy.loops import LoopDetector
 from proxy.metrics import CollectorRegistry, Metrics
 from proxy.observer import Observer, ObserverSet
 from proxy.openapi import DESCRIPTION, build_openapi
+from proxy.peers import Peers
 from proxy.reload import Access, Reloader
 from proxy.request import RequestIds
 from proxy.routes import OTHER, PROXIED
@@ -96,6 +97,7 @@ class InfertapApp(FastAPI):
         self.request_ids = RequestIds()
         self.reloader = Reloader(self, reload) if reload is not None else None
         self.reloaded_at: float | None = None
+        self._peers: Peers | None = None
         self._routing: Router | None = None
         self._runtime: _Runtime | None = None
         self.freeze_heap = False  # `infertap serve` sets it: the process is the app's alone
@@ -210,9 +212,18 @@ class InfertapApp(FastAPI):
     def stream_options_memory(self) -> set[str]:
         return self.runtime.forwarder.attempter.no_stream_options
 
+    def share_reloads(self, peers: Peers) -> None:
+        """With --workers N: a reload here reaches the other workers, and theirs reach this one."""
+        if self.reloader is not None:
+            self._peers = self.reloader.peers = peers
+
     # -- dispatch ---------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            peers = self._peers
+            if peers is not None and peers.behind():  # another worker reloaded: follow it first
+                assert self.reloader is not None
+                self.reloader.catch_up()
             path: str = scope["path"]
             if path.startswith("/v1/") and await self._proxied(scope, receive, send, path):
                 return

@@ -10,6 +10,9 @@ need a restart; a reload names those that changed and leaves them as they run.
 
 State that outlives a reload: an upstream kept under the same name and base URL keeps its circuit
 breaker (unless [circuit] changed) and infertap's memory that it rejects stream_options.
+
+With --workers N the worker that reloads publishes what it loaded, and the others apply it before
+their next request (proxy/peers.py), so a reload answered by one worker holds for all.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from proxy.auth import ClientKeys, HeaderNames, bearer_token, header_names
+from proxy.peers import Peers
 from proxy.settings import ConfigError, Settings
 from proxy.upstream import Router
 
@@ -104,11 +108,28 @@ class Reloader:
     def __init__(self, target: Target, load: Callable[[], Settings]) -> None:
         self.target = target
         self.load = load
+        self.peers: Peers | None = None  # the other workers, with --workers N
         self._previous_hup: Any = None
 
     def reload(self) -> Applied:
-        """Raises ConfigError (the field named) and changes nothing when the new file is bad."""
-        settings, applied, restart = merged(self.target.settings, self.load())
+        """Raises ConfigError (the field named) and changes nothing, here or in another worker, when
+        the new file is bad."""
+        loaded = self.load()
+        result = self.apply(loaded)
+        if self.peers is not None:
+            self.peers.publish(loaded.model_dump_json())
+        return result
+
+    def catch_up(self) -> None:
+        """Apply what another worker published (it loaded and applied it without error)."""
+        assert self.peers is not None
+        try:
+            self.apply(Settings.model_validate_json(self.peers.take()))
+        except (ConfigError, ValueError, OSError) as e:  # not expected (same file, same environment)
+            log.error("another worker's reload was NOT applied here (the running configuration stays): %s", e)
+
+    def apply(self, loaded: Settings) -> Applied:
+        settings, applied, restart = merged(self.target.settings, loaded)
         access = Access.from_settings(settings)
         try:
             router = Router.from_settings(settings)

@@ -22,7 +22,7 @@ import uvicorn
 from pydantic import ValidationError
 from uvicorn.supervisors import Multiprocess
 
-from proxy import __version__
+from proxy import __version__, peers
 from proxy.oslimits import raise_nofile
 from proxy.settings import (
     TAOTOKEN_BASE_URL,
@@ -188,12 +188,16 @@ def app_from_env() -> InfertapApp:
     # without this its infertap.* lines (the access log among them) would go nowhere.
     configure_logging(settings.server.log_level)
     reload = reloader(json.loads(os.environ[_ARGV_ENV])) if _ARGV_ENV in os.environ else None
+    # Before the file is read: a reload published in between is then applied again, not missed.
+    shared = peers.Peers(os.environ[peers.ENV]) if reload is not None and peers.ENV in os.environ else None
     if reload is not None:
         try:
             settings = merged(settings, reload())[0]
         except ConfigError as e:
             log.error("the configuration file was NOT reloaded (the one at start stays): %s", e)
     app = create_app(settings, reload=reload)
+    if shared is not None:
+        app.share_reloads(shared)
     app.freeze_heap = True
     return app
 
@@ -273,7 +277,10 @@ def run(settings: Settings, argv: list[str] | None = None) -> None:
     os.environ[_SETTINGS_ENV] = settings.model_dump_json()
     if argv is not None:
         os.environ[_ARGV_ENV] = json.dumps(argv)
-    with multiprocess_metrics() as path:
+    with multiprocess_metrics() as path, tempfile.TemporaryDirectory(prefix="infertap-reload-") as shared:
+        # POST /admin/reload is answered by one worker; what it applies, the others follow.
+        peers.prepare(shared)
+        os.environ[peers.ENV] = shared
         log.info("%d workers; metrics aggregated through %s", s.workers, path)
         config = uvicorn.Config("proxy.serve:app_from_env", factory=True, workers=s.workers, **common)  # type: ignore[arg-type]
         sockets = [config.bind_socket()]
