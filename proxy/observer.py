@@ -48,8 +48,10 @@ class Observer:
     def first_token(self, ex: Exchange) -> None:
         pass
 
-    def chunk(self, ex: Exchange, gap: float) -> None:
-        """A later output event, `gap` seconds after the previous one (the inter-token latency)."""
+    def chunk(self, ex: Exchange, gap: float, count: int) -> None:
+        """`count` later output events handed to the client at once: the first `gap` seconds after
+        the previous one (the inter-token latency), the others with it (0 s: they arrived in the
+        same read). One call per read, not per event: a burst of events costs one hook."""
 
     def finished(self, ex: Exchange) -> None:
         pass
@@ -125,9 +127,9 @@ class ObserverSet:
         for call in self._calls["first_token"]:
             call(ex)
 
-    def chunk(self, ex: Exchange, gap: float) -> None:
+    def chunk(self, ex: Exchange, gap: float, count: int) -> None:
         for call in self._calls["chunk"]:
-            call(ex, gap)
+            call(ex, gap, count)
 
     def finished(self, ex: Exchange) -> None:
         for call in self._calls["finished"]:

@@ -65,17 +65,18 @@ async def relay_committed(
 
 def stamp_outputs(ex: Exchange, obs: ObserverSet, outputs: int, now: float) -> None:
     """Record `outputs` output events handed to the client at `now`."""
-    if ex.first_token_at is None:
+    last = ex.last_token_at
+    if last is None:
         ex.first_token_at = ex.last_token_at = now
         ex.output_events = 1
         obs.first_token(ex)
         outputs -= 1
-    while outputs:
-        gap = now - ex.last_token_at  # type: ignore[operator]
-        ex.last_token_at = now
-        ex.output_events += 1
-        obs.chunk(ex, gap)
-        outputs -= 1
+        if not outputs:
+            return
+        last = now  # the rest came with the first
+    ex.last_token_at = now
+    ex.output_events += outputs
+    obs.chunk(ex, now - last, outputs)
 
 
 async def relay_sse(

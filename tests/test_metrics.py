@@ -12,8 +12,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy.exchange import Exchange
+from proxy.metrics import ITL_BUCKETS
 from proxy.observer import Observer
 from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import CHAT, RecordingObserver, make_settings, run_proxy, serve_process, wait_until
@@ -357,3 +360,31 @@ def test_embeddings_access_log_says_usage_when_the_upstream_sent_it(
     (line,) = [json.loads(r.getMessage()) for r in caplog.records if r.name == "infertap.access"]
     assert line["route"] == "embeddings" and line["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
     assert line["tokens_source"] == "usage"
+
+
+@given(
+    value=st.one_of(st.sampled_from([0.0, *ITL_BUCKETS[:-1]]), st.floats(-1.0, 1e4, allow_nan=False)),
+    n=st.integers(1, 500),
+)
+@settings(max_examples=200, deadline=None)
+def test_observe_many_equals_as_many_observations(value: float, n: int) -> None:
+    """A burst of events read together is one `observe_many` call (proxy/metrics.py): it must
+    expose exactly what `n` calls of prometheus_client's own `observe` do, boundaries included."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from proxy.metrics import observe_many
+
+    one, many = CollectorRegistry(), CollectorRegistry()
+    a = Histogram("itl", "gaps", ["m"], buckets=ITL_BUCKETS, registry=one).labels("x")
+    b = Histogram("itl", "gaps", ["m"], buckets=ITL_BUCKETS, registry=many).labels("x")
+    a.observe(0.25)
+    b.observe(0.25)
+    for _ in range(n):
+        a.observe(value)
+    observe_many(b, value, n)
+    got, want = (
+        [x for x in samples(generate_latest(reg).decode()) if not x[0].endswith("_created")]
+        for reg in (many, one)
+    )
+    assert [(name, labels) for name, labels, _ in got] == [(name, labels) for name, labels, _ in want]
+    assert [v for *_, v in got] == pytest.approx([v for *_, v in want], rel=1e-9, abs=1e-6)
