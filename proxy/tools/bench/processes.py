@@ -191,6 +191,8 @@ class Upstream:
 
     def close(self) -> None:
         _stop(self.proc)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 class LoadGenerator:
