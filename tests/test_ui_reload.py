@@ -13,15 +13,10 @@ import httpx
 from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import free_port, serve_process, wait_until
 from tests.promtext import value
+from tests.test_reload import ADMIN, ENV
 from tests.test_ui import chat, ui_data
 
-ADMIN = {"authorization": "Bearer ur-admin"}
-SECRETS = {
-    "UR_ADMIN": "ur-admin",
-    "UR_METRICS_1": "ur-metrics-secret-1",
-    "UR_METRICS_2": "ur-metrics-secret-2",
-    "UR_KEY": "sk-ur-upstream-secret",
-}
+SECRETS = {"UR_METRICS_1": "ur-metrics-1", "UR_METRICS_2": "ur-metrics-2", "UR_KEY": "sk-ur-upstream"}
 
 
 def config_file(admin_port: int, url: str, name: str, idle: float, token: int, models: str) -> str:
@@ -29,7 +24,7 @@ def config_file(admin_port: int, url: str, name: str, idle: float, token: int, m
 [server]
 admin_port = {admin_port}
 [auth]
-admin_token_env = "UR_ADMIN"
+admin_token_env = "RT_ADMIN"
 metrics_token_env = "UR_METRICS_{token}"
 [timeouts]
 idle = {idle}
@@ -70,7 +65,7 @@ def test_ui_shows_the_reloaded_configuration_without_secrets(
             assert secret not in r.text, secret
         return data
 
-    env = {**os.environ, **SECRETS}
+    env = {**os.environ, **ENV, **SECRETS}
     with serve_process("--config", str(path), env=env, log=tmp_path / "serve.log") as (base, _):
         before = shown(old)
         assert [u["name"] for u in before["config"]["upstreams"]] == ["first"]
