@@ -105,7 +105,8 @@ class InfertapApp(FastAPI):
         self.include_router(admin.router)
         ui = next((o for o in observers if isinstance(o, UIObserver)), None)
         if settings.ui.enabled and ui is not None:
-            self.router.routes.extend(ops.raw_routes(UIRoutes(ui, self.access.metrics_token).routes()))
+            page = UIRoutes(ui, lambda: self.access.metrics_token)
+            self.router.routes.extend(ops.raw_routes(page.routes()))
         ops.install_error_handlers(self)
 
     def openapi(self) -> dict[str, Any]:
@@ -206,6 +207,7 @@ class InfertapApp(FastAPI):
         rt.forwarder.router = router
         rt.forwarder.panic = settings.circuit.when_all_open == "send"
         rt.checker.router = router
+        self.observers.reloaded(settings)
         self.reloaded_at = time.time()
         self._log_upstreams(router)
 

@@ -318,6 +318,12 @@ class Metrics(Observer):
             for phase in TIMEOUT_PHASES.values():
                 self.timeouts.labels(up.name, phase)
 
+    def reloaded(self, settings: Settings) -> None:
+        # Without [metrics] models the allow-list is the upstreams' patterns, which a reload may
+        # change: a new upstream's models get their own label, not `other`. Names admitted before
+        # keep theirs (the cap still bounds them).
+        self.model_label.patterns = _default_model_patterns(settings)
+
     # -- hooks ------------------------------------------------------------------------------
     def _c(self, metric: Any, *labels: str) -> Any:
         """The metric's child for these label values, cached: prometheus_client's labels() takes a

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from proxy.exchange import Exchange
+
+if TYPE_CHECKING:
+    from proxy.settings import Settings
 
 log = logging.getLogger("infertap.observer")
 
@@ -72,6 +75,11 @@ class Observer:
 
     def upstream_health(self, ex: Exchange, upstream: str, up: bool) -> None:
         """An upstream's circuit opened (up=False) or closed again (up=True) during `ex`."""
+
+    def reloaded(self, settings: Settings) -> None:
+        """The configuration was reloaded (POST /admin/reload, SIGHUP, or another worker's): new
+        requests follow `settings`. Called at reload time, never on a request's path, so that an
+        observer can rebuild there what it derives from the configuration."""
 
     def close(self) -> None:
         """Called once at shutdown."""
@@ -153,6 +161,13 @@ class ObserverSet:
     def upstream_health(self, ex: Exchange, upstream: str, up: bool) -> None:
         for call in self._calls["upstream_health"]:
             call(ex, upstream, up)
+
+    def reloaded(self, settings: Settings) -> None:
+        for o in self.observers:
+            try:
+                o.reloaded(settings)
+            except Exception:
+                log.exception("observer %s failed to follow the reload; it goes on as it was", o.name)
 
     def close(self) -> None:
         for o in self.observers:

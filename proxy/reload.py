@@ -6,7 +6,9 @@ keeps the Upstream objects it started with (their URL, key and timeouts), so a s
 on the settings it began under. Everything is built before anything is swapped: a file that does
 not load, or an [auth] whose key variable is unset, is rejected with the field named and the
 running configuration stays as it was. The other sections (server, metrics, tracing, ui, ...)
-need a restart; a reload names those that changed and leaves them as they run.
+need a restart; a reload names those that changed and leaves them as they run. Observers hear of
+it (`Observer.reloaded`): /ui shows what new requests follow, and the default `model` allow-list
+(the upstreams' patterns) follows the upstreams.
 
 State that outlives a reload: an upstream kept under the same name and base URL keeps its circuit
 breaker (unless [circuit] changed) and infertap's memory that it rejects stream_options.

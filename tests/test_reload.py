@@ -52,8 +52,6 @@ idle = {self.idle}
 backoff_seconds = 0
 [metrics]
 access_log = false
-[ui]
-enabled = false
 [[upstreams]]
 name = "a"
 base_url = "{a}"
@@ -258,6 +256,10 @@ class ReloadMachine(RuleBasedStateMachine):
     def nothing_left_in_flight(self) -> None:
         ups = httpx.get(f"{self.w.proxy}/admin/upstreams", headers=ADMIN).json()
         assert all(u["in_flight"] == 0 for u in ups)
+
+    @invariant()
+    def ui_shows_the_running_configuration(self) -> None:
+        assert httpx.get(f"{self.w.proxy}/ui/data").json()["config"] == config_view(self.w)
 
 
 def test_reload_sequences(world: World) -> None:

@@ -266,6 +266,9 @@ def check_page(driver: Any, expected: list[tuple[str, str]], data: dict[str, Any
     )
     assert sorted(map(tuple, upstreams)) == [("fake", "up"), ("sim", "up")]
     assert "updated" in js("return document.getElementById('status').textContent")
+    # The configuration panel says which configuration it shows (no reload here: start-up's).
+    note = js("return document.getElementById('config-note').textContent")
+    assert note.startswith("what new requests follow: as loaded at start; a reload applies upstreams"), note
 
 
 def save_screenshot(driver: Any, name: str, docs: bool = False) -> None:

@@ -23,6 +23,7 @@ from proxy.errors import TIMEOUT_PHASES
 from proxy.exchange import Exchange, Outcome
 from proxy.model_labels import NONE, ModelLabels
 from proxy.observer import Observer
+from proxy.reload import RELOADABLE
 from proxy.request import display_url
 from proxy.routes import route_of
 from proxy.settings import Settings
@@ -79,6 +80,12 @@ class UIObserver(Observer):
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.config = public_config(settings)
+        self.reloaded_at: float | None = None
+
+    def reloaded(self, settings: Settings) -> None:
+        # The panel and the upstreams table show what new requests follow; redacted here, once
+        # per reload, not per read. Counters and rings stay: they are this worker's history.
+        self.settings, self.config, self.reloaded_at = settings, public_config(settings), self.wall()
 
     # -- hooks ------------------------------------------------------------------------------
     def request_received(self, ex: Exchange) -> None:
@@ -185,6 +192,8 @@ class UIObserver(Observer):
             "requests": list(reversed(self.recent)),
             "upstreams": self._upstreams(),
             "config": self.config,
+            "config_reloaded_at": self.reloaded_at,
+            "config_reloadable": RELOADABLE,
         }
 
     def _totals(self) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 /ui and /ui/data follow the auth of /metrics: with `auth.metrics_token_env` set they need
 `Authorization: Bearer <token>`, or `?token=<token>` (a browser cannot add a header to a page
 load; the page passes the token on to /ui/data in the header). The static script and style
-sheet are the same for everyone and carry no data: they are served without the token.
+sheet are the same for everyone and carry no data: they are served without the token. The token
+is the one that applies now, so a reload that changes it ([auth]) holds here as for /metrics.
 """
 
 from __future__ import annotations
@@ -45,13 +46,15 @@ def static_file(name: str) -> bytes:
 
 
 class UIRoutes:
-    def __init__(self, observer: UIObserver, token: str | None) -> None:
+    def __init__(self, observer: UIObserver, token: Callable[[], str | None]) -> None:
         self.observer = observer
         self.token = token
         self.files = {path: (static_file(name), ctype) for path, (name, ctype) in STATIC.items()}
-        # The last /ui/data answer: several open pages share one computation per REUSE_SECONDS.
+        # The last /ui/data answer: several open pages share one computation per REUSE_SECONDS,
+        # unless a reload came in between (its configuration shows at once).
         self._body: bytes | None = None
         self._body_at = 0.0
+        self._body_config: object = None
 
     def routes(self) -> dict[tuple[str, str], Handler]:
         table: dict[tuple[str, str], Handler] = {("GET", path): self._static for path in STATIC}
@@ -60,9 +63,10 @@ class UIRoutes:
         return table
 
     def authorized(self, scope: Scope) -> bool:
-        if self.token is None:
+        token = self.token()
+        if token is None:
             return True
-        expected = self.token.encode()
+        expected = token.encode()
         given = header(scope, b"authorization") or ""
         if given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), expected):
             return True
@@ -102,8 +106,10 @@ class UIRoutes:
             )
             return
         now = time.monotonic()
-        if self._body is None or now - self._body_at >= REUSE_SECONDS:
+        config = self.observer.config
+        if self._body is None or now - self._body_at >= REUSE_SECONDS or config is not self._body_config:
             self._body, self._body_at = orjson.dumps(self.observer.snapshot()), now
+            self._body_config = config
         await send_json(send, 200, self._body, list(_COMMON))
 
 

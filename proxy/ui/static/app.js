@@ -336,6 +336,12 @@
       configText = text;
       $("config").textContent = text;
     }
+    // Which configuration this is: a reload applies some sections, the rest wait for a restart.
+    const reloadable = (data.config_reloadable || []).join(", ");
+    const when = data.config_reloaded_at
+      ? `${reloadable} as reloaded at ${clock(data.config_reloaded_at)}, the rest as at start`
+      : `as loaded at start; a reload applies ${reloadable}, a restart the rest`;
+    $("config-note").textContent = `what new requests follow: ${when}`;
   }
 
   function render() {
