@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import os
 from bisect import bisect_left
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
 
 from proxy import __version__
+from proxy.circuit import breaker_kept
 from proxy.errors import TIMEOUT_PHASES
 from proxy.exchange import Exchange, Outcome
 from proxy.looplag import LoopLagProbe
@@ -95,6 +98,9 @@ OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01
 TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5) if m * 10**e <= 1_000_000)
 
 __all__ = ["NONE", "OTHER", "CollectorRegistry", "Metrics", "ModelLabels", "multiprocess_dir"]
+
+UPSTREAM_UP = "infertap_upstream_up"
+IN_FLIGHT = "infertap_in_flight_requests"
 
 
 def observe_many(child: Any, value: float, n: int) -> None:
@@ -262,14 +268,14 @@ class Metrics(Observer):
             "infertap_timeouts_total", "Timeouts by phase.", ["upstream", "phase"], registry=r
         )
         self.in_flight = Gauge(
-            "infertap_in_flight_requests",
+            IN_FLIGHT,
             "Requests being served now.",
             ["upstream"],
             registry=r,
             multiprocess_mode="livesum",
         )
         self.upstream_up = Gauge(
-            "infertap_upstream_up",
+            UPSTREAM_UP,
             "1 while infertap sends traffic to the upstream, 0 while its circuit is open.",
             ["upstream"],
             registry=r,
@@ -310,19 +316,37 @@ class Metrics(Observer):
         self._budgeted: set[str] = set()
         for client in self.budgets:
             self._set_budget(client)
-        for up in settings.upstreams:
-            # Known children up front: dashboards see zeros instead of missing series.
-            self.in_flight.labels(up.name)
-            self.upstream_up.labels(up.name).set(1)
-            self.retries.labels(up.name, "connect_error")
-            for phase in TIMEOUT_PHASES.values():
-                self.timeouts.labels(up.name, phase)
+        self._upstreams: dict[str, str] = {}  # name -> base URL: the upstreams configured now
+        self._circuit = settings.circuit
+        self._follow(settings, circuit_changed=True)
 
     def reloaded(self, settings: Settings) -> None:
         # Without [metrics] models the allow-list is the upstreams' patterns, which a reload may
         # change: a new upstream's models get their own label, not `other`. Names admitted before
         # keep theirs (the cap still bounds them).
         self.model_label.patterns = _default_model_patterns(settings)
+        self._follow(settings, settings.circuit != self._circuit)
+
+    def _follow(self, settings: Settings, circuit_changed: bool) -> None:
+        """The per-upstream series for the upstreams configured now (at start and on each reload)."""
+        before = self._upstreams
+        for up in settings.upstreams:
+            if breaker_kept(before.get(up.name), up.base_url, circuit_changed):
+                continue  # its circuit goes on, and so does its upstream_up
+            # Known children up front: dashboards see zeros instead of missing series, and a circuit
+            # that starts anew (a new name, base URL or [circuit]) is closed.
+            self.in_flight.labels(up.name)
+            self.upstream_up.labels(up.name).set(1)
+            self.retries.labels(up.name, "connect_error")
+            for phase in TIMEOUT_PHASES.values():
+                self.timeouts.labels(up.name, phase)
+        for name in before.keys() - {up.name for up in settings.upstreams}:
+            # Hidden from now on (`render`). With --workers N the value stays in this worker's
+            # file: 1 there keeps a last 0 from showing should the name come back while this
+            # worker has not yet followed that reload.
+            self.upstream_up.labels(name).set(1)
+        self._upstreams = {up.name: up.base_url for up in settings.upstreams}
+        self._circuit = settings.circuit
 
     # -- hooks ------------------------------------------------------------------------------
     def _c(self, metric: Any, *labels: str) -> Any:
@@ -469,4 +493,32 @@ class Metrics(Observer):
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         encoder, content_type = choose_encoder(accept or "")
-        return encoder(registry), content_type
+        return encoder(_Configured(registry, self._upstreams.keys())), content_type
+
+
+class _Configured:
+    """A registry's metrics without the gauges of upstreams that a reload removed: their
+    `upstream_up` (a last 0 would page for an upstream that no longer exists) and their in-flight
+    count once it is 0 (while requests that began before the reload run, it still counts them).
+
+    Left out at each scrape rather than removed from the registry: with --workers N every worker's
+    values stay in its own file, which no worker can take a series out of, and the worker that
+    answers a scrape has followed every reload (it catches up before any request). Counters and
+    histograms stay: they are history (docs/metrics.md)."""
+
+    def __init__(self, registry: Any, upstreams: Collection[str]) -> None:
+        self.registry = registry
+        self.upstreams = upstreams
+
+    def collect(self) -> Iterator[Metric]:
+        keep = self.upstreams
+        for family in self.registry.collect():
+            if family.name == UPSTREAM_UP:
+                family.samples = [s for s in family.samples if s.labels["upstream"] in keep]
+            elif family.name == IN_FLIGHT:
+                family.samples = [
+                    s
+                    for s in family.samples
+                    if s.value or s.labels["upstream"] in keep or s.labels["upstream"] == NONE
+                ]
+            yield family
