@@ -9,6 +9,7 @@ FastAPI endpoint ~54 µs). No BaseHTTPMiddleware anywhere (it hides client disco
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import time
@@ -30,7 +31,7 @@ from proxy.loops import LoopDetector
 from proxy.metrics import CollectorRegistry, Metrics
 from proxy.observer import Observer, ObserverSet
 from proxy.openapi import DESCRIPTION, build_openapi
-from proxy.peers import Peers
+from proxy.peers import PEER_POLL_SECONDS, Peers
 from proxy.reload import Access, Reloader
 from proxy.request import RequestIds
 from proxy.routes import OTHER, PROXIED
@@ -98,6 +99,7 @@ class InfertapApp(FastAPI):
         self.reloader = Reloader(self, reload) if reload is not None else None
         self.reloaded_at: float | None = None
         self._peers: Peers | None = None
+        self._peer_timer: asyncio.TimerHandle | None = None
         self._routing: Router | None = None
         self._runtime: _Runtime | None = None
         self.freeze_heap = False  # `infertap serve` sets it: the process is the app's alone
@@ -136,6 +138,8 @@ class InfertapApp(FastAPI):
             self.metrics.start_probes()
         if self.reloader is not None:
             self.reloader.install()
+        if self._peers is not None:
+            self._poll_peers()
         self._log_upstreams(router)
         if self.freeze_heap:
             # What start-up built (FastAPI's routes and models, settings, observers) lives as long
@@ -151,6 +155,8 @@ class InfertapApp(FastAPI):
             try:
                 if self.reloader is not None:
                     self.reloader.uninstall()
+                if self._peer_timer is not None:
+                    self._peer_timer.cancel()
                 self._runtime.drain.close()
                 await self._runtime.checker.stop()
                 if self.metrics is not None:
@@ -218,6 +224,17 @@ class InfertapApp(FastAPI):
         """With --workers N: a reload here reaches the other workers, and theirs reach this one."""
         if self.reloader is not None:
             self._peers = self.reloader.peers = peers
+
+    def _poll_peers(self) -> None:
+        """An idle worker follows another's reload within PEER_POLL_SECONDS too, not only at its next
+        request: its background checks, and the per-upstream gauges it holds in the shared metrics
+        (a circuit its old configuration had open), would show the old configuration meanwhile."""
+        peers = self._peers
+        if peers is None or self.reloader is None:
+            return
+        if peers.behind():
+            self.reloader.catch_up()
+        self._peer_timer = asyncio.get_running_loop().call_later(PEER_POLL_SECONDS, self._poll_peers)
 
     # -- dispatch ---------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

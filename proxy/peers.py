@@ -6,7 +6,8 @@ shared, memory-mapped file. Each worker compares that counter with the one it la
 it handles a request (one memory read: no file access, no lock) and, when it is behind, applies the
 published configuration as its own reload would: requests in flight keep what they started with,
 and kept upstreams keep their breakers. So once the reload is answered, every worker's next
-request follows it: no worker restart, no window in which workers disagree.
+request follows it: no worker restart. An idle worker looks every PEER_POLL_SECONDS as well, so
+what it shows outside requests (its background checks, its share of the metrics) follows too.
 
 Publishing holds an exclusive lock, so two reloads at once cannot interleave: the one published
 last is what every worker ends on. The files hold no secret (settings name key variables only).
@@ -19,6 +20,8 @@ import mmap
 import os
 
 ENV = "INFERTAP_RELOAD_DIR"  # hands the directory to worker processes
+# How often an idle worker looks for another's reload (a busy one looks before every request).
+PEER_POLL_SECONDS = 0.5
 _GENERATION = "generation"
 _SETTINGS = "settings.json"
 

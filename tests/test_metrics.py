@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxy.buckets import ITL_BUCKETS
 from proxy.exchange import Exchange
-from proxy.metrics import ITL_BUCKETS
 from proxy.observer import Observer
 from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import CHAT, RecordingObserver, make_settings, run_proxy, serve_process, wait_until

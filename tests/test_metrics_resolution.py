@@ -27,8 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from proxy.exchange import Exchange, Outcome
-from proxy.metrics import (
+from proxy.buckets import (
     ITL_BUCKETS,
     ITL_DENSE,
     MAX_BUCKET_RATIO,
@@ -36,8 +35,9 @@ from proxy.metrics import (
     TTFT_DENSE,
     VLLM_ITL_BUCKETS,
     VLLM_TTFT_BUCKETS,
-    Metrics,
 )
+from proxy.exchange import Exchange, Outcome
+from proxy.metrics import Metrics
 from proxy.sim import create_sim_app
 from proxy.sim import metrics as sim_metrics
 from proxy.sim.config import sim_config_from_dict

@@ -180,3 +180,24 @@ class ReloadsAcrossWorkers(RuleBasedStateMachine):
 
 def test_reloads_across_workers() -> None:
     run_state_machine_as_test(ReloadsAcrossWorkers, settings=settings(max_examples=50, deadline=None))
+
+
+def test_an_idle_worker_follows_another_workers_reload(tmp_path: Path) -> None:
+    """No request reaches this worker: it still follows the reload another worker published, by
+    polling (its background checks and its share of the metrics would otherwise keep the old
+    configuration until its next request)."""
+    from proxy.app import create_app
+    from tests.conftest import make_settings
+
+    prepare(str(tmp_path))
+    first = make_settings(("a", "http://127.0.0.1:9/v1"))
+    second = make_settings(("b", "http://127.0.0.1:9/v1"))
+    app = create_app(first, reload=lambda: first)
+    app.share_reloads(Peers(str(tmp_path)))
+    other = Peers(str(tmp_path))
+    try:
+        with serve_in_thread(app):
+            other.publish(second.model_dump_json())
+            wait_until(lambda: [up.name for up in app.settings.upstreams] == ["b"], 5, "the idle worker")
+    finally:
+        other.close()
