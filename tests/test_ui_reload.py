@@ -97,3 +97,32 @@ def test_ui_shows_the_reloaded_configuration_without_secrets(
             assert httpx.get(f"{base}{where}", headers=old).status_code == 401, where
             assert httpx.get(f"{base}{where}", headers=new).status_code == 200, where
         assert shown(new)["config"]["auth"]["metrics_token_env"] == "UR_METRICS_2"
+
+
+def test_an_upstream_whose_circuit_starts_anew_shows_up_after_a_reload() -> None:
+    """The reload gives an upstream with a new base URL (or a changed [circuit]) a new, closed
+    circuit; /ui's upstreams table said "circuit_open" for it until traffic said otherwise. One
+    kept at the same URL keeps its circuit, open or not (the reload's own rule)."""
+    from proxy.exchange import Exchange
+    from proxy.settings import CircuitSettings
+    from proxy.ui import UIObserver
+    from tests.conftest import make_settings
+
+    ui = UIObserver(make_settings(("a", "http://127.0.0.1:1/v1"), ("b", "http://127.0.0.1:2/v1")))
+    ex = Exchange("r", "chat.completions", "POST", "/v1/chat/completions")
+
+    def states() -> dict[str, str]:
+        return {row["name"]: row["state"] for row in ui.snapshot()["upstreams"]}
+
+    ui.upstream_health(ex, "a", False)
+    ui.upstream_health(ex, "b", False)
+    ui.reloaded(make_settings(("a", "http://127.0.0.1:1/v1"), ("b", "http://127.0.0.1:3/v1")))
+    assert states() == {"a": "circuit_open", "b": "up"}
+    ui.reloaded(
+        make_settings(
+            ("a", "http://127.0.0.1:1/v1"),
+            ("b", "http://127.0.0.1:3/v1"),
+            circuit=CircuitSettings(min_calls=3),
+        )
+    )
+    assert states() == {"a": "up", "b": "up"}
