@@ -89,7 +89,7 @@ class ReloadResult(BaseModel):
     restart_needed: list[str] = Field(description="sections that changed but run on until a restart")
     workers: int = Field(
         description="worker processes it applies to (--workers): the one that answered at once, each "
-        "other one before the next request it handles"
+        "other one before the next request it handles, or within half a second when idle"
     )
 
 
