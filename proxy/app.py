@@ -208,12 +208,16 @@ class InfertapApp(FastAPI):
         return self._routing
 
     def swap(self, settings: Settings, access: Access, router: Router) -> None:
+        # Which circuits start anew, from the breakers themselves: the reload carried over the
+        # ones it keeps (proxy/reload.py), every other upstream has a new, closed one.
+        kept = {id(up.breaker) for up in self._routing.upstreams} if self._routing is not None else set()
+        fresh = [up.name for up in router.upstreams if id(up.breaker) not in kept]
         self.settings, self.access, self._routing = settings, access, router
         rt = self.runtime
         rt.forwarder.router = router
         rt.forwarder.panic = settings.circuit.when_all_open == "send"
         rt.checker.router = router
-        self.observers.reloaded(settings)
+        self.observers.reloaded(settings, fresh)
         self.reloaded_at = time.time()
         self._log_upstreams(router)
 

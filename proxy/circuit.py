@@ -166,12 +166,3 @@ class Breaker:
             else "the next request probes it"
         )
         return f"its circuit is open ({why}); {when}"
-
-
-def breaker_kept(base_url_before: str | None, base_url: str, circuit_changed: bool) -> bool:
-    """Whether a reload keeps an upstream's breaker: its name was configured before (at
-    `base_url_before`; None for a new name) at the same base URL, and [circuit] did not change.
-    Otherwise the upstream starts with a new, closed circuit. One rule for both who need it: the
-    reload, which carries the breakers, and the metrics observer, which sets `upstream_up` to 1
-    for every upstream whose circuit starts anew."""
-    return base_url_before == base_url and not circuit_changed

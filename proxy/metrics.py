@@ -17,7 +17,6 @@ from prometheus_client.metrics_core import Metric
 
 from proxy import __version__
 from proxy.buckets import DURATION_BUCKETS, ITL_BUCKETS, OVERHEAD_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS
-from proxy.circuit import breaker_kept
 from proxy.errors import TIMEOUT_PHASES
 from proxy.exchange import Exchange, Outcome
 from proxy.looplag import LoopLagProbe
@@ -246,37 +245,33 @@ class Metrics(Observer):
         self._budgeted: set[str] = set()
         for client in self.budgets:
             self._set_budget(client)
-        self._upstreams: dict[str, str] = {}  # name -> base URL: the upstreams configured now
-        self._circuit = settings.circuit
-        self._follow(settings, circuit_changed=True)
+        self._upstreams: set[str] = set()  # the upstreams configured now
+        self._follow(settings, {up.name for up in settings.upstreams})
 
-    def reloaded(self, settings: Settings) -> None:
+    def reloaded(self, settings: Settings, fresh_circuits: Collection[str]) -> None:
         # Without [metrics] models the allow-list is the upstreams' patterns, which a reload may
         # change: a new upstream's models get their own label, not `other`. Names admitted before
         # keep theirs (the cap still bounds them).
         self.model_label.patterns = _default_model_patterns(settings)
-        self._follow(settings, settings.circuit != self._circuit)
+        self._follow(settings, fresh_circuits)
 
-    def _follow(self, settings: Settings, circuit_changed: bool) -> None:
+    def _follow(self, settings: Settings, fresh_circuits: Collection[str]) -> None:
         """The per-upstream series for the upstreams configured now (at start and on each reload)."""
-        before = self._upstreams
-        for up in settings.upstreams:
-            if breaker_kept(before.get(up.name), up.base_url, circuit_changed):
-                continue  # its circuit goes on, and so does its upstream_up
+        now = {up.name for up in settings.upstreams}
+        for name in fresh_circuits:
             # Known children up front: dashboards see zeros instead of missing series, and a circuit
-            # that starts anew (a new name, base URL or [circuit]) is closed.
-            self.in_flight.labels(up.name)
-            self.upstream_up.labels(up.name).set(1)
-            self.retries.labels(up.name, "connect_error")
+            # that starts anew is closed. A kept circuit goes on, and so does its upstream_up.
+            self.in_flight.labels(name)
+            self.upstream_up.labels(name).set(1)
+            self.retries.labels(name, "connect_error")
             for phase in TIMEOUT_PHASES.values():
-                self.timeouts.labels(up.name, phase)
-        for name in before.keys() - {up.name for up in settings.upstreams}:
+                self.timeouts.labels(name, phase)
+        for name in self._upstreams - now:
             # Hidden from now on (`render`). With --workers N the value stays in this worker's
             # file: 1 there keeps a last 0 from showing should the name come back while this
             # worker has not yet followed that reload.
             self.upstream_up.labels(name).set(1)
-        self._upstreams = {up.name: up.base_url for up in settings.upstreams}
-        self._circuit = settings.circuit
+        self._upstreams = now
 
     # -- hooks ------------------------------------------------------------------------------
     def _c(self, metric: Any, *labels: str) -> Any:
@@ -423,7 +418,7 @@ class Metrics(Observer):
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         encoder, content_type = choose_encoder(accept or "")
-        return encoder(_Configured(registry, self._upstreams.keys())), content_type
+        return encoder(_Configured(registry, self._upstreams)), content_type
 
 
 class _Configured:

@@ -6,7 +6,7 @@ Pure stdlib. A failing observer is logged and contained: it never breaks a strea
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 from proxy.exchange import Exchange
@@ -76,10 +76,12 @@ class Observer:
     def upstream_health(self, ex: Exchange, upstream: str, up: bool) -> None:
         """An upstream's circuit opened (up=False) or closed again (up=True) during `ex`."""
 
-    def reloaded(self, settings: Settings) -> None:
+    def reloaded(self, settings: Settings, fresh_circuits: Collection[str]) -> None:
         """The configuration was reloaded (POST /admin/reload, SIGHUP, or another worker's): new
-        requests follow `settings`. Called at reload time, never on a request's path, so that an
-        observer can rebuild there what it derives from the configuration."""
+        requests follow `settings`; `fresh_circuits` names the upstreams whose circuit the reload
+        started anew, closed (a new name or base URL, or every one when [circuit] changed). Called
+        at reload time, never on a request's path, so that an observer can rebuild there what it
+        derives from the configuration."""
 
     def close(self) -> None:
         """Called once at shutdown."""
@@ -162,10 +164,10 @@ class ObserverSet:
         for call in self._calls["upstream_health"]:
             call(ex, upstream, up)
 
-    def reloaded(self, settings: Settings) -> None:
+    def reloaded(self, settings: Settings, fresh_circuits: Collection[str]) -> None:
         for o in self.observers:
             try:
-                o.reloaded(settings)
+                o.reloaded(settings, fresh_circuits)
             except Exception:
                 log.exception("observer %s failed to follow the reload; it goes on as it was", o.name)
 

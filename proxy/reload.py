@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from proxy.auth import ClientKeys, HeaderNames, bearer_token, header_names
-from proxy.circuit import breaker_kept
 from proxy.peers import Peers
 from proxy.settings import ConfigError, Settings
 from proxy.upstream import Router
@@ -74,7 +73,7 @@ def carry_state(old: Router, new: Router, circuit_changed: bool, no_stream_optio
     for up in new.upstreams:
         prev = before.get(up.name)
         same = prev is not None and prev.base_url == up.base_url
-        if prev is not None and breaker_kept(prev.base_url, up.base_url, circuit_changed):
+        if same and prev is not None and not circuit_changed:
             up.breaker = prev.breaker
         if not same:
             no_stream_options.discard(up.name)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import free_port, serve_process, wait_until
@@ -99,30 +100,48 @@ def test_ui_shows_the_reloaded_configuration_without_secrets(
         assert shown(new)["config"]["auth"]["metrics_token_env"] == "UR_METRICS_2"
 
 
-def test_an_upstream_whose_circuit_starts_anew_shows_up_after_a_reload() -> None:
-    """The reload gives an upstream with a new base URL (or a changed [circuit]) a new, closed
-    circuit; /ui's upstreams table said "circuit_open" for it until traffic said otherwise. One
-    kept at the same URL keeps its circuit, open or not (the reload's own rule)."""
-    from proxy.exchange import Exchange
-    from proxy.settings import CircuitSettings
-    from proxy.ui import UIObserver
-    from tests.conftest import make_settings
+def test_an_upstream_whose_circuit_starts_anew_shows_up_after_a_reload(
+    monkeypatch: pytest.MonkeyPatch, fake: tuple[FakeUpstream, str]
+) -> None:
+    """The reload gives an upstream with a new base URL (or every one, when [circuit] changed) a
+    new, closed circuit; /ui's upstreams table said "circuit_open" for it until traffic said
+    otherwise. One kept at the same URL keeps its circuit, open or not. Through the real reload:
+    POST /admin/reload on an in-process app whose loader returns the next configuration."""
+    from proxy.app import create_app
+    from proxy.settings import AuthSettings, CircuitSettings, RetrySettings, Settings, UpstreamSettings
+    from tests.conftest import serve_in_thread
+    from tests.test_circuit import CLOSED_PORT
 
-    ui = UIObserver(make_settings(("a", "http://127.0.0.1:1/v1"), ("b", "http://127.0.0.1:2/v1")))
-    ex = Exchange("r", "chat.completions", "POST", "/v1/chat/completions")
+    _, url = fake
+    monkeypatch.setenv("RT_ADMIN", "adm")
 
-    def states() -> dict[str, str]:
-        return {row["name"]: row["state"] for row in ui.snapshot()["upstreams"]}
-
-    ui.upstream_health(ex, "a", False)
-    ui.upstream_health(ex, "b", False)
-    ui.reloaded(make_settings(("a", "http://127.0.0.1:1/v1"), ("b", "http://127.0.0.1:3/v1")))
-    assert states() == {"a": "circuit_open", "b": "up"}
-    ui.reloaded(
-        make_settings(
-            ("a", "http://127.0.0.1:1/v1"),
-            ("b", "http://127.0.0.1:3/v1"),
-            circuit=CircuitSettings(min_calls=3),
+    def conf(b_url: str, min_calls: int = 1) -> Settings:
+        ups = [
+            UpstreamSettings(name="a", base_url=CLOSED_PORT, models=["a-*"]),
+            UpstreamSettings(name="b", base_url=b_url, models=["b-*"]),
+        ]
+        return Settings(
+            upstreams=ups,
+            auth=AuthSettings(admin_token_env="RT_ADMIN"),
+            retry=RetrySettings(max_attempts=1),
+            circuit=CircuitSettings(min_calls=min_calls, cooldown_seconds=600, when_all_open="refuse"),
         )
-    )
-    assert states() == {"a": "up", "b": "up"}
+
+    current = [conf(CLOSED_PORT)]
+    app = create_app(current[0], reload=lambda: current[0])
+    with serve_in_thread(app) as base, httpx.Client(base_url=base, timeout=30) as c:
+
+        def states() -> dict[str, str]:
+            return {row["name"]: row["state"] for row in ui_data(base)["upstreams"]}
+
+        def reload(settings: Settings) -> None:
+            current[0] = settings
+            assert c.post("/admin/reload", headers=ADMIN).status_code == 200
+
+        for model in ("a-1", "b-1"):  # nothing listens: one refused request opens each circuit
+            assert c.post("/v1/chat/completions", json=chat(model)).status_code == 502
+        assert states() == {"a": "circuit_open", "b": "circuit_open"}
+        reload(conf(url))  # b at a new base URL: a new circuit; a kept as it was
+        assert states() == {"a": "circuit_open", "b": "up"}
+        reload(conf(url, min_calls=3))  # [circuit] changed: every circuit starts anew
+        assert states() == {"a": "up", "b": "up"}

@@ -15,11 +15,10 @@ import os
 import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from proxy import __version__
-from proxy.circuit import breaker_kept
 from proxy.errors import TIMEOUT_PHASES
 from proxy.exchange import Exchange, Outcome
 from proxy.model_labels import NONE, ModelLabels
@@ -83,16 +82,12 @@ class UIObserver(Observer):
         self.config = public_config(settings)
         self.reloaded_at: float | None = None
 
-    def reloaded(self, settings: Settings) -> None:
+    def reloaded(self, settings: Settings, fresh_circuits: Collection[str]) -> None:
         # The panel and the upstreams table show what new requests follow; redacted here, once
         # per reload, not per read. Counters and rings stay: they are this worker's history.
-        # An upstream whose circuit starts anew (new name, new base URL, or [circuit] changed:
-        # the reload's own rule) is up, whatever its old circuit was.
-        before = {up.name: up.base_url for up in self.settings.upstreams}
-        circuit_changed = settings.circuit != self.settings.circuit
-        for up in settings.upstreams:
-            if not breaker_kept(before.get(up.name), up.base_url, circuit_changed):
-                self.health[up.name] = (True, None)
+        # An upstream whose circuit starts anew is up, whatever its old circuit was.
+        for name in fresh_circuits:
+            self.health[name] = (True, None)
         self.settings, self.config, self.reloaded_at = settings, public_config(settings), self.wall()
 
     # -- hooks ------------------------------------------------------------------------------
