@@ -162,18 +162,13 @@ class SSEScanner:
         """(1 if the event carries output else 0, whether to forward it)."""
         facts = self.facts
         facts.events += 1
-        # Once per output event: the common chat delta is judged by one find and one anchored
-        # match, inline (a function call costs as much as the search).
-        i = event.find(b'"content"')
-        if (i >= 0 and _NONEMPTY_STRING.match(event, i + 9) is not None) or _OUTPUT.search(event) is not None:
+        if _carries_output(event):
             if not facts.answered:
                 facts.answered = _carries_answer(event)
-            # vLLM sends `"finish_reason":null` in every chunk: the key alone decides nothing.
-            i = event.find(b'"finish_reason"')
             if (
                 facts.events == 1
-                or facts.text_chars < facts.capture_chars
-                or (i >= 0 and _FINISH.match(event, i) is not None)
+                or facts.wants_text()
+                or _has(event, b'"finish_reason"', _FINISH)
                 or _has(event, b'"usage"', _USAGE)
             ):
                 self._parse(event)
