@@ -4,11 +4,10 @@ bytes would make its cheap figures worthless)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -27,28 +26,13 @@ def upstream() -> object:
     up.close()
 
 
-def _start(mode: str, upstream_port: int, tmp: Path) -> tuple[subprocess.Popen[bytes], int]:
-    port_file = tmp / f"{mode}.port"
-    cmd = [
-        sys.executable,
-        str(ROOT / "scripts/perf/stack_floor.py"),
-        mode,
-        str(upstream_port),
-        str(port_file),
-    ]
-    proc = subprocess.Popen(cmd)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if port_file.exists() and port_file.read_text():
-            port = int(port_file.read_text())
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
-                return proc, port
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError(f"{mode} did not start")
+def _relay_class() -> Any:
+    """scripts/perf/stack_floor_run.py's Relay (the runner's own start-up and readiness wait)."""
+    spec = importlib.util.spec_from_file_location("stack_floor_run", ROOT / "scripts/perf/stack_floor_run.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Relay
 
 
 def _answers(base: str) -> list[bytes]:
@@ -64,16 +48,13 @@ def _answers(base: str) -> list[bytes]:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_each_minimal_relay_relays_the_upstream_unchanged(
-    mode: str, upstream: Upstream, tmp_path: Path
-) -> None:
-    proc, port = _start(mode, upstream.port, tmp_path)
+def test_each_minimal_relay_relays_the_upstream_unchanged(mode: str, upstream: Upstream) -> None:
+    relay = _relay_class()(mode, upstream.port)
     try:
         direct = _answers(upstream.url)
-        relayed = _answers(f"http://127.0.0.1:{port}")
+        relayed = _answers(f"http://127.0.0.1:{relay.port}")
     finally:
-        proc.kill()
-        proc.wait()
+        relay.close()
     assert relayed == direct
     assert relayed[0].count(b"data: ") == 5 + 3  # role, five tokens, finish, [DONE]
     assert json.loads(relayed[1])["usage"]["completion_tokens"] == 5

@@ -20,7 +20,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from proxy.tools.bench.loadgen import Job  # noqa: E402
 from proxy.tools.bench.nginx import Nginx, find_nginx  # noqa: E402
-from proxy.tools.bench.processes import Infertap, LoadGenerator, Upstream, pin_child  # noqa: E402
+from proxy.tools.bench.processes import Infertap, LoadGenerator, Upstream, pin_child, wait_ready  # noqa: E402
 
 MODES = ("raw-raw", "raw-aiohttp", "uvicorn-raw", "uvicorn-aiohttp")
 LOADS = {
@@ -63,17 +62,20 @@ class Relay:
         self.proc = subprocess.Popen(cmd)
         pin_child(self.proc.pid, 1)
         self.pids = [self.proc.pid]
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if port_file.exists() and port_file.read_text():
-                self.port = int(port_file.read_text())
-                try:
-                    socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                    return
-                except OSError:
-                    pass
-            time.sleep(0.05)
-        raise SystemExit(f"{mode} did not start")
+        self.port = 0
+
+        def answers() -> bool:
+            text = port_file.read_text() if port_file.exists() else ""
+            if not text:
+                return False
+            self.port = int(text)
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+            except OSError:
+                return False
+            return True
+
+        wait_ready(self.proc, answers, 20, lambda: f"the {mode} relay did not start (see its stderr above)")
 
     def close(self) -> None:
         self.proc.kill()

@@ -13,10 +13,9 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
-from proxy.tools.bench.processes import BenchError, _popen, _stop, free_port, pin_child, process_tree
+from proxy.tools.bench.processes import _popen, _stop, free_port, pin_child, process_tree, wait_ready
 
 INSTALL_HINT = "install Debian's nginx-light (scripts/install_bench_tools.sh, as root) for the nginx row"
 
@@ -79,19 +78,22 @@ class Nginx:
         self.pids = [self.proc.pid]
 
     def wait_ready(self, timeout_s: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
+        def answers() -> bool:
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0):
-                    break
+                socket.create_connection(("127.0.0.1", self.port), timeout=1.0).close()
             except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise BenchError(
-                    f"nginx did not listen on 127.0.0.1:{self.port} within {timeout_s:.0f} s (exit code "
-                    f"{self.proc.poll()}): {self.stderr_tail()}; run the bench with --no-nginx to skip it"
-                )
-            time.sleep(0.05)
+                return False
+            return True
+
+        wait_ready(
+            self.proc,
+            answers,
+            timeout_s,
+            lambda: (
+                f"nginx did not listen on 127.0.0.1:{self.port} within {timeout_s:.0f} s (exit code "
+                f"{self.proc.poll()}): {self.stderr_tail()}; run the bench with --no-nginx to skip it"
+            ),
+        )
         self.refresh_pids()
 
     def refresh_pids(self) -> list[int]:

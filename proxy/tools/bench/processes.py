@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,18 @@ def pin_child(pid: int, cpu: int | None) -> bool:
     return True
 
 
+def wait_ready(
+    proc: subprocess.Popen[Any], answers: Callable[[], bool], timeout_s: float, failure: Callable[[], str]
+) -> None:
+    """Polls `answers` until it is true; a BenchError with `failure()` when `proc` exits first or
+    `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while not answers():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise BenchError(failure())
+        time.sleep(0.05)
+
+
 def _stop(proc: subprocess.Popen[Any]) -> None:
     if proc.poll() is None:
         proc.terminate()
@@ -292,20 +305,23 @@ class Infertap:
         self.pids = [self.proc.pid]
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
+        def answers() -> bool:
             try:
                 http_get_json(self.port, "/healthz", timeout=1.0)
-                break
             except (OSError, ValueError, http.client.HTTPException):
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise BenchError(
-                    f"infertap ({self.label}) did not answer /healthz within {timeout_s:.0f} s "
-                    f"(exit code {self.proc.poll()}). Its stderr ends with:\n{self.stderr_tail()}\n"
-                    "Run `infertap serve --upstream http://127.0.0.1:9/v1` by hand to see whether it starts."
-                )
-            time.sleep(0.05)
+                return False
+            return True
+
+        wait_ready(
+            self.proc,
+            answers,
+            timeout_s,
+            lambda: (
+                f"infertap ({self.label}) did not answer /healthz within {timeout_s:.0f} s "
+                f"(exit code {self.proc.poll()}). Its stderr ends with:\n{self.stderr_tail()}\n"
+                "Run `infertap serve --upstream http://127.0.0.1:9/v1` by hand to see whether it starts."
+            ),
+        )
         self.refresh_pids()
 
     def refresh_pids(self) -> list[int]:
