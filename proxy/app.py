@@ -1,7 +1,7 @@
 """create_app(): the FastAPI application, with the proxied OpenAI routes dispatched raw in front of it.
 
 FastAPI owns the application: its lifespan (the upstream client, the observers, SIGHUP), the ops
-routes (proxy/ops.py), the operator API (proxy/admin.py) and the OpenAPI document (/docs,
+routes (proxy/api/ops.py), the operator API (proxy/api/operator.py) and the OpenAPI document (/docs,
 /openapi.json). The proxied routes are the hot path: `__call__` hands them to the forwarder
 before FastAPI's router, middleware or request parsing run (a raw dispatch costs ~2 µs, a
 FastAPI endpoint ~54 µs). No BaseHTTPMiddleware anywhere (it hides client disconnects).
@@ -20,28 +20,30 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from proxy import __version__, admin, ops
-from proxy.accesslog import AccessLog
-from proxy.asgi import Message, Receive, Scope, Send, header, send_error
-from proxy.auth import ANONYMOUS
-from proxy.drain import Drain
-from proxy.forward import Forwarder
-from proxy.health import UpstreamChecker
-from proxy.loops import LoopDetector
-from proxy.metrics import CollectorRegistry, Metrics
-from proxy.observer import Observer, ObserverSet
-from proxy.openapi import DESCRIPTION, build_openapi
-from proxy.peers import PEER_POLL_SECONDS, Peers
-from proxy.reload import Access, Reloader
-from proxy.request import RequestIds
-from proxy.routes import OTHER, PROXIED
+from proxy import __version__
+from proxy.api import operator as admin
+from proxy.api import ops
+from proxy.api.openapi import DESCRIPTION, build_openapi
+from proxy.control.auth import ANONYMOUS
+from proxy.control.drain import Drain
+from proxy.control.reload import Access, Reloader
+from proxy.control.reload_sharing import PEER_POLL_SECONDS, Peers
+from proxy.control.upstream_checks import UpstreamChecker
+from proxy.core.asgi import Message, Receive, Scope, Send, header, send_error
+from proxy.core.forward.forwarder import Forwarder
+from proxy.core.forward.intake import RequestIds
+from proxy.core.hooks import Observer, ObserverSet
+from proxy.core.model_routing import Router
+from proxy.core.route_table import OTHER, PROXIED
+from proxy.observe.access_log import AccessLog
+from proxy.observe.metrics.prometheus import CollectorRegistry, Metrics
+from proxy.observe.repetition import LoopDetector
+from proxy.observe.spend import SpendObserver
+from proxy.observe.tracing.spans import build_tracing
+from proxy.observe.ui import UIObserver, UIRoutes
+from proxy.observe.upstream_stats import UpstreamStats
 from proxy.settings import Settings
-from proxy.spend import SpendObserver
-from proxy.tracing import build_tracing
-from proxy.ui import UIObserver, UIRoutes
-from proxy.upstream import Router
-from proxy.upstream_client import AiohttpClient, UpstreamClient
-from proxy.upstream_stats import UpstreamStats
+from proxy.transport.aiohttp_client import AiohttpClient, UpstreamClient
 
 log = logging.getLogger("infertap.app")
 
@@ -199,7 +201,7 @@ class InfertapApp(FastAPI):
             raise RuntimeError("the app has not started: run it under an ASGI server with lifespan on")
         return self._runtime
 
-    # -- reload (proxy.reload.Target) -------------------------------------------------------
+    # -- reload (proxy.control.reload.Target) -------------------------------------------------------
     @property
     def routing(self) -> Router:
         """The upstreams and routing that new requests follow (FastAPI's own `router` is its routes)."""
@@ -209,7 +211,7 @@ class InfertapApp(FastAPI):
 
     def swap(self, settings: Settings, access: Access, router: Router) -> None:
         # Which circuits start anew, from the breakers themselves: the reload carried over the
-        # ones it keeps (proxy/reload.py), every other upstream has a new, closed one.
+        # ones it keeps (proxy/control/reload.py), every other upstream has a new, closed one.
         kept = {id(up.breaker) for up in self._routing.upstreams} if self._routing is not None else set()
         fresh = [up.name for up in router.upstreams if id(up.breaker) not in kept]
         self.settings, self.access, self._routing = settings, access, router

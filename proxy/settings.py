@@ -31,7 +31,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from proxy.exchange import DEFAULT_PROMPT_CLASS_BOUNDS
+from proxy.core.exchange import DEFAULT_PROMPT_CLASS_BOUNDS
 
 TAOTOKEN_BASE_URL = "https://taotoken.net/api"
 TAOTOKEN_HOST = "taotoken.net"
@@ -202,7 +202,7 @@ class UISettings(_Section):
 
 
 class LoopSettings(_Section):
-    """Loop detection (proxy/loops.py): counts answers that repeat themselves in
+    """Loop detection (proxy/observe/repetition.py): counts answers that repeat themselves in
     infertap_degenerate_responses_total. Off by default: it makes the SSE scanner parse every
     output event's JSON until `window_chars` of text are collected (cost: docs/doctor.md)."""
 

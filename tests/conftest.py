@@ -17,8 +17,8 @@ import pytest
 import uvicorn
 
 from proxy.app import create_app
-from proxy.exchange import Exchange
-from proxy.observer import HOOKS, Observer
+from proxy.core.exchange import Exchange
+from proxy.core.hooks import HOOKS, Observer
 from proxy.settings import Settings, UpstreamSettings
 from proxy.tools.fake_upstream import FakeUpstream
 

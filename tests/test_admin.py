@@ -9,7 +9,7 @@ import httpx
 import pytest
 from pydantic import TypeAdapter
 
-from proxy.admin import EffectiveConfig, UpstreamState
+from proxy.api.operator import EffectiveConfig, UpstreamState
 from proxy.settings import AuthSettings, ServerSettings, Settings, UpstreamSettings
 from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import free_port, make_settings, run_proxy, serve_in_thread

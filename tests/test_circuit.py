@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from proxy.app import InfertapApp, create_app
-from proxy.circuit import CLOSED, PANIC, Breaker
+from proxy.core.circuit import CLOSED, PANIC, Breaker
 from proxy.settings import CircuitSettings, Settings
 from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import CHAT, make_settings, run_proxy, serve_in_thread, wait_until

@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from proxy.circuit import PANIC, Breaker, Permit
+from proxy.core.circuit import PANIC, Breaker, Permit
 
 RATE, MIN_CALLS, WINDOW, COOLDOWN = 0.5, 4, 10.0, 5.0
 

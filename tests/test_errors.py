@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.errors import ERRORS, TIMEOUT_PHASES, ErrorKind, UpstreamError, outcome_of, timeout_phase
-from proxy.exchange import Outcome
+from proxy.core.errors import ERRORS, TIMEOUT_PHASES, ErrorKind, UpstreamError, outcome_of, timeout_phase
+from proxy.core.exchange import Outcome
 
 
 def test_every_kind_maps() -> None:

@@ -29,9 +29,9 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from proxy.app import InfertapApp, create_app
-from proxy.asgi import Receive, Scope, Send
-from proxy.exchange import Exchange
-from proxy.observer import Observer
+from proxy.core.asgi import Receive, Scope, Send
+from proxy.core.exchange import Exchange
+from proxy.core.hooks import Observer
 from proxy.settings import Settings, UpstreamSettings
 from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import RecordingObserver, serve_in_thread, wait_until
@@ -386,7 +386,7 @@ STEPS = st.lists(
 )
 @given(steps=STEPS)
 # Shrunk sequences that found bugs, kept as regression tests (each runs in every CI run).
-@example(  # a success that brought the calls to min_calls opened the circuit (proxy/circuit.py)
+@example(  # a success that brought the calls to min_calls opened the circuit (proxy/core/circuit.py)
     steps=[Req("chat", "a", False, False, "ok", "never"), Req("chat", "a", False, False, "hang", "never")]
 )
 @pytest.mark.timeout(0)

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from proxy.exchange import Exchange
+from proxy.core.exchange import Exchange
 from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import CHAT, RecordingObserver, make_settings, run_proxy, wait_until
 

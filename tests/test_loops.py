@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.exchange import Exchange
-from proxy.loops import LoopDetector, repetition_score, tokens
+from proxy.core.exchange import Exchange
+from proxy.observe.repetition import LoopDetector, repetition_score, tokens
 from proxy.settings import LoopSettings, Settings
 from proxy.sim import create_sim_app
 from proxy.sim.config import sim_config_from_dict

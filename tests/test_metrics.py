@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.buckets import ITL_BUCKETS
-from proxy.exchange import Exchange
-from proxy.observer import Observer
+from proxy.core.exchange import Exchange
+from proxy.core.hooks import Observer
+from proxy.observe.metrics.buckets import ITL_BUCKETS
 from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import CHAT, RecordingObserver, make_settings, run_proxy, serve_process, wait_until
 from tests.promtext import samples, scrape, value
@@ -331,7 +331,7 @@ def test_exemplars_carry_the_real_trace_id(fake: tuple[FakeUpstream, str]) -> No
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from proxy.tracing import TracingObserver
+    from proxy.observe.tracing.spans import TracingObserver
 
     _, url = fake
     settings = make_settings(("fake", url))
@@ -368,11 +368,12 @@ def test_embeddings_access_log_says_usage_when_the_upstream_sent_it(
 )
 @settings(max_examples=200, deadline=None)
 def test_observe_many_equals_as_many_observations(value: float, n: int) -> None:
-    """A burst of events read together is one `observe_many` call (proxy/metrics.py): it must
+    """A burst of events read together is one `observe_many` call
+    (proxy/observe/metrics/prometheus.py): it must
     expose exactly what `n` calls of prometheus_client's own `observe` do, boundaries included."""
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from proxy.metrics import observe_many
+    from proxy.observe.metrics.prometheus import observe_many
 
     one, many = CollectorRegistry(), CollectorRegistry()
     a = Histogram("itl", "gaps", ["m"], buckets=ITL_BUCKETS, registry=one).labels("x")

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.exchange import Exchange, Outcome
-from proxy.metrics import IN_FLIGHT, UPSTREAM_UP, Metrics
+from proxy.core.exchange import Exchange, Outcome
+from proxy.observe.metrics.prometheus import IN_FLIGHT, UPSTREAM_UP, Metrics
 from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import CHAT, free_port, make_settings, serve_process, wait_until
 from tests.promtext import samples

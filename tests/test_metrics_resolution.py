@@ -27,7 +27,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from proxy.buckets import (
+from proxy.core.exchange import Exchange, Outcome
+from proxy.observe.metrics.buckets import (
     ITL_BUCKETS,
     ITL_DENSE,
     MAX_BUCKET_RATIO,
@@ -36,8 +37,7 @@ from proxy.buckets import (
     VLLM_ITL_BUCKETS,
     VLLM_TTFT_BUCKETS,
 )
-from proxy.exchange import Exchange, Outcome
-from proxy.metrics import Metrics
+from proxy.observe.metrics.prometheus import Metrics
 from proxy.sim import create_sim_app
 from proxy.sim import metrics as sim_metrics
 from proxy.sim.config import sim_config_from_dict

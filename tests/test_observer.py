@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from proxy.exchange import Exchange, Outcome
-from proxy.observer import Observer, ObserverSet
+from proxy.core.exchange import Exchange, Outcome
+from proxy.core.hooks import Observer, ObserverSet
 
 
 class Setter(Observer):

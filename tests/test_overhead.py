@@ -7,9 +7,9 @@ import time
 
 import httpx
 
-from proxy.buckets import OVERHEAD_BUCKETS
-from proxy.exchange import Exchange
-from proxy.looplag import LoopLagProbe
+from proxy.core.exchange import Exchange
+from proxy.observe.metrics.buckets import OVERHEAD_BUCKETS
+from proxy.observe.metrics.loop_lag import LoopLagProbe
 from proxy.settings import MetricsSettings
 from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import CHAT, RecordingObserver, make_settings, run_proxy, serve_process, wait_until

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from proxy.asgi import Receive, Scope, Send
+from proxy.core.asgi import Receive, Scope, Send
 from proxy.sim import create_sim_app
 from proxy.sim.config import sim_config_from_dict
 from proxy.tools.probe import cli as probe

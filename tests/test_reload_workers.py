@@ -15,11 +15,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
-from proxy.peers import Peers, prepare
-from proxy.reload import Access, Reloader
+from proxy.control.reload import Access, Reloader
+from proxy.control.reload_sharing import Peers, prepare
+from proxy.core.model_routing import Router
 from proxy.settings import ConfigError, Settings, load_settings
 from proxy.tools.fake_upstream import FakeUpstream
-from proxy.upstream import Router
 from tests.conftest import serve_in_thread, serve_process, wait_until
 from tests.test_reload import ADMIN, BROKEN, ENV, Conf, World, chat, headers
 
@@ -105,7 +105,7 @@ def test_peers_publish_and_catch_up(tmp_path: Path) -> None:
 
 
 class _Worker:
-    """A reload target as a worker's app is one (proxy.reload.Target), without the server."""
+    """A reload target as a worker's app is one (proxy.control.reload.Target), without the server."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings

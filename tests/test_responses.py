@@ -19,16 +19,16 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from proxy.exchange import Exchange, Outcome
-from proxy.genai_content import Budget, input_messages
-from proxy.request import prompt_chars
+from proxy.core.exchange import Exchange, Outcome
+from proxy.core.forward.intake import prompt_chars
+from proxy.core.sse import ResponsesScanner, SSEScanner
+from proxy.observe.tracing.genai_content import Budget, input_messages
+from proxy.observe.tracing.spans import TracingObserver
 from proxy.settings import TracingSettings
 from proxy.sim.app import create_sim_app
 from proxy.sim.config import SimConfig
 from proxy.sim.protocol import ResponsesRequest
 from proxy.sim.responses import ResponsesFormat
-from proxy.sse import ResponsesScanner, SSEScanner
-from proxy.tracing import TracingObserver
 from tests.conftest import RecordingObserver, make_settings, run_proxy, serve_in_thread
 
 USAGE = {"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14}

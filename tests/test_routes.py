@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from proxy.routes import BY_LABEL, OTHER, PROXIED, route_of
-from proxy.sse import ResponsesScanner, SSEScanner
+from proxy.core.route_table import BY_LABEL, OTHER, PROXIED, route_of
+from proxy.core.sse import ResponsesScanner, SSEScanner
 
 
 def test_the_proxied_routes() -> None:

@@ -189,7 +189,7 @@ def test_flags_are_validated_and_errors_name_the_flag() -> None:
 
 
 def test_two_bare_upstream_urls_on_one_host_get_distinct_names() -> None:
-    from proxy.serve import build_parser, resolve_settings
+    from proxy.server.run import build_parser, resolve_settings
 
     args = build_parser().parse_args(
         ["--upstream", "http://127.0.0.1:8000/v1", "--upstream", "http://127.0.0.1:8001/v1"]
@@ -222,8 +222,8 @@ def test_a_base_url_without_v1_gets_a_start_up_warning(tmp_path: Path) -> None:
     assert "WARNING" in text and "write http://127.0.0.1:9/v1" in text
     assert "--upstream vllm=http://127.0.0.1:9/v1" in text
 
+    from proxy.core.model_routing import Router
     from proxy.settings import Settings, UpstreamSettings
-    from proxy.upstream import Router
 
     router = Router.from_settings(
         Settings(

@@ -20,9 +20,9 @@ import httpx
 import openai
 import pytest
 
+from proxy.core.sse import SSEScanner
 from proxy.sim import create_sim_app
 from proxy.sim.config import SimConfig, sim_config_from_dict
-from proxy.sse import SSEScanner
 from tests.conftest import make_settings, run_proxy, serve_in_thread, wait_until
 from tests.promtext import scrape, value
 

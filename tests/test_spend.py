@@ -1,5 +1,5 @@
 """Who used what and what it cost: named clients, cached and reasoning tokens, the first answer
-token of reasoning models, and spend (proxy/auth.py, proxy/spend.py, the observers)."""
+token of reasoning models, and spend (proxy/control/auth.py, proxy/observe/spend.py, the observers)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from proxy.auth import ClientKeys
+from proxy.control.auth import ClientKeys
+from proxy.core.sse import ResponsesScanner, SSEScanner, usage_details
+from proxy.observe.tracing.spans import TracingObserver
 from proxy.settings import AuthSettings, ConfigError, PriceSettings, SpendSettings, load_settings
-from proxy.sse import ResponsesScanner, SSEScanner, usage_details
 from proxy.tools.fake_upstream import FakeUpstream
-from proxy.tracing import TracingObserver
 from tests.conftest import RecordingObserver, make_settings, run_proxy, wait_until
 from tests.promtext import samples, scrape, value
 

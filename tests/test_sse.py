@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from proxy.sse import SSEScanner
+from proxy.core.sse import SSEScanner
 
 
 def chunk(delta: dict[str, object], finish: str | None = None, spaced: bool = False) -> bytes:

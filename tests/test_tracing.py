@@ -18,11 +18,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import SpanKind, StatusCode
 
-from proxy.asgi import Receive, Scope, Send
-from proxy.exchange import Exchange, Outcome
+from proxy.core.asgi import Receive, Scope, Send
+from proxy.core.exchange import Exchange, Outcome
+from proxy.observe.tracing.spans import TracingObserver, build_tracing, export_config
 from proxy.settings import ConfigError, TracingSettings
 from proxy.tools.fake_upstream import FakeUpstream
-from proxy.tracing import TracingObserver, build_tracing, export_config
 from tests.conftest import (
     CHAT,
     RecordingObserver,

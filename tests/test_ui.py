@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from proxy.observe.ui.data import Reservoir, SecondRing, quantiles
 from proxy.settings import (
     AuthSettings,
     CircuitSettings,
@@ -23,7 +24,6 @@ from proxy.settings import (
     load_settings,
 )
 from proxy.tools.fake_upstream import FakeUpstream
-from proxy.ui.data import Reservoir, SecondRing, quantiles
 from tests.conftest import make_settings, run_proxy, wait_until
 from tests.promtext import samples, scrape, value
 

@@ -1,4 +1,4 @@
-"""The core against a scripted transport, through the seam (proxy.upstream_client).
+"""The core against a scripted transport, through the seam (proxy.transport.aiohttp_client).
 
 A real client and a real infertap (uvicorn on 127.0.0.1:0); only the upstream side is a script:
 each send takes the next step, which fails the send or answers with chunks that may break.
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import httpx
 
 from proxy.app import create_app
-from proxy.errors import ErrorKind, UpstreamError
+from proxy.core.errors import ErrorKind, UpstreamError
 from proxy.settings import RetrySettings
-from proxy.upstream_client import Timeouts, UpstreamClient, UpstreamResponse
+from proxy.transport.aiohttp_client import Timeouts, UpstreamClient, UpstreamResponse
 from tests.conftest import RecordingObserver, make_settings, serve_in_thread
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from proxy.asgi import watch_disconnect
+from proxy.core.asgi import watch_disconnect
 from proxy.sim.admin import admin_routes
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Engine

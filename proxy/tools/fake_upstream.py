@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.asgi import Receive, Scope, Send, watch_disconnect
+from proxy.core.asgi import Receive, Scope, Send, watch_disconnect
 
 
 @dataclass

@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from proxy import __version__
-from proxy.oslimits import raise_nofile
+from proxy.server.os_limits import raise_nofile
 from proxy.tools.bench.nginx import INSTALL_HINT, find_nginx
 from proxy.tools.bench.processes import BenchError, affinity, open_files_limit
 from proxy.tools.bench.report import NGINX

@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from proxy.oslimits import raise_nofile
+from proxy.server.os_limits import raise_nofile
 from proxy.tools.bench.connection import ClientConnection, Outcome, connect
 from proxy.tools.bench.osutil import new_loop, pin
 

@@ -25,7 +25,7 @@ import json
 import sys
 from typing import Any, cast
 
-from proxy.oslimits import raise_nofile
+from proxy.server.os_limits import raise_nofile
 from proxy.tools.bench.osutil import new_loop, pin
 
 READY = "bench-upstream listening on "

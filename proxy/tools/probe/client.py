@@ -4,7 +4,7 @@ Requests go to a `proxy.tools.probe.target.Target`.
 
 `measure_one` streams one chat completion with httpx and times it with `time.perf_counter()`:
 TTFT is the first SSE event that carries output text (the role-only chunk does not count; the
-test is the proxy's own `proxy.sse` scanner, so probe and proxy agree on what a token is); the
+test is the proxy's own `proxy.core.sse` scanner, so probe and proxy agree on what a token is); the
 output token count comes from the usage chunk (asked for with stream_options.include_usage) or,
 when the server sends none, from counting content events. `run_many` runs N requests at
 concurrency C. Failures become a `Result` with an error kind and a one-line message, never an
@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from proxy.sse import ResponsesScanner, SSEScanner, usage_tokens
+from proxy.core.sse import ResponsesScanner, SSEScanner, usage_tokens
 from proxy.tools.probe.failures import (
     Failure,
     describe_exception,

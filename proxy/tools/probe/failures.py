@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 
-from proxy.sse import event_data
+from proxy.core.sse import event_data
 from proxy.tools.probe.target import DEFAULT_KEY_ENV, Target
 
 

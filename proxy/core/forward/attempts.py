@@ -1,0 +1,195 @@
+"""One upstream attempt, up to the point where its answer can be committed to the client.
+
+An attempt sends the request and turns whatever goes wrong into a closed `ErrorKind` with a
+message. For a generation stream it reads on until the first output event, holding the bytes:
+a stall or a failure before the first token is then still invisible to the client, so the
+forwarder can retry it or fall back to another upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from proxy.core.asgi import RawHeaders
+from proxy.core.errors import ERRORS, ErrorKind, UpstreamError
+from proxy.core.exchange import Exchange
+from proxy.core.forward.intake import retry_after
+from proxy.core.hooks import ObserverSet
+from proxy.core.model_routing import RETRYABLE_STATUS, Upstream
+from proxy.core.route_table import Route
+from proxy.core.sse import SSEScanner
+from proxy.transport.aiohttp_client import UpstreamClient, UpstreamResponse
+
+
+@dataclass(slots=True)
+class Call:
+    """What one proxied request needs across its attempts."""
+
+    ex: Exchange
+    route: Route
+    upstream: Upstream
+    suffix: str
+    headers: dict[str, str]
+    body: bytes
+    original_body: bytes
+    rid: RawHeaders
+    committed: bool = False
+    committed_sse: bool = False  # what was committed can carry an in-band error event
+    # The routed upstream and its fallbacks, fixed at intake: a reload changes new requests only.
+    plan: list[Upstream] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Ready:
+    """An attempt whose answer will be relayed."""
+
+    resp: UpstreamResponse
+    chunks: AsyncIterator[bytes]
+    scanner: SSEScanner | None = None
+    pending: list[bytes] = field(default_factory=list)
+    outputs: int = 0
+    first_output_at: float | None = None  # when the bytes holding the first output event arrived
+    prefetched: bytes | None = None
+
+
+@dataclass(slots=True)
+class Failure:
+    """An attempt that failed before anything was sent to the client."""
+
+    kind: ErrorKind
+    status: int
+    message: str
+    wait: float | None = None
+
+
+class Attempter:
+    def __init__(self, client: UpstreamClient, observers: ObserverSet) -> None:
+        self.client = client
+        self.errors: tuple[type[BaseException], ...] = (UpstreamError, *client.errors)
+        self.observers = observers
+        # Upstreams that answered 400 to stream_options: infertap stops injecting it there.
+        self.no_stream_options: set[str] = set()
+
+    def headers_for(self, call: Call, up: Upstream) -> dict[str, str]:
+        """The attempt's headers as observers see them: without the key (see `_keyed`)."""
+        headers = dict(call.headers)
+        headers.update(up.headers)
+        headers["accept-encoding"] = "identity"
+        headers["x-request-id"] = call.ex.request_id
+        return headers
+
+    @staticmethod
+    def _keyed(headers: dict[str, str], up: Upstream) -> dict[str, str]:
+        """The headers as sent. The key joins them only here, in a copy no observer ever holds,
+        so no repr() or log of the Exchange can show it."""
+        if not up.api_key:
+            return headers
+        return {**headers, "authorization": f"Bearer {up.api_key}"}
+
+    async def run(self, call: Call, up: Upstream, last: bool) -> Ready | Failure:
+        """One upstream attempt, up to the point where its answer can be committed."""
+        ex, obs = call.ex, self.observers
+        ex.attempts += 1
+        ex.upstream = up.name
+        ex.upstream_url = up.display_url
+        ex.upstream_headers = self.headers_for(call, up)
+        ex.attempt_started_at = time.perf_counter()
+        obs.attempt_started(ex)
+        scanner_type = call.route.scanner
+        generation_stream = ex.stream and scanner_type is not None
+        resp: UpstreamResponse | None = None
+        ready: Ready | None = None
+        try:
+            async with asyncio.timeout(up.ttft_timeout if generation_stream else None):
+                resp = await self.client.send(
+                    ex.method,
+                    up.url(call.suffix),
+                    self._keyed(ex.upstream_headers, up),
+                    call.body or None,
+                    up.timeout,
+                )
+                if ex.upstream_sent_at is None:
+                    ex.upstream_sent_at = resp.sent_at
+                ex.status_code = status = resp.status
+                ex.first_byte_at = time.perf_counter()
+                obs.first_byte(ex)
+                if status in RETRYABLE_STATUS and not last:
+                    kind = ErrorKind.UPSTREAM_429 if status == 429 else ErrorKind.UPSTREAM_5XX
+                    return Failure(
+                        kind,
+                        status,
+                        f"upstream '{up.name}' answered HTTP {status}",
+                        retry_after(resp.headers.get("retry-after")),
+                    )
+                if status == 400 and ex.usage_injected:
+                    content = await resp.read()
+                    if b"stream_options" in content:
+                        # This upstream rejects stream_options: the forwarder asks again without it
+                        # (a new attempt, with its own deadline), and infertap remembers.
+                        self.no_stream_options.add(up.name)
+                        ex.usage_injected = False
+                        call.body = call.original_body
+                        resp.release()
+                        resp = None
+                        return Failure(
+                            ErrorKind.STREAM_OPTIONS,
+                            400,
+                            f"upstream '{up.name}' rejects stream_options: asking again without it",
+                        )
+                    ready = Ready(resp, _empty(), prefetched=content)
+                    return ready
+                chunks = resp.chunks()
+                is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+                if scanner_type is None or not (generation_stream and status == 200 and is_sse):
+                    ready = Ready(resp, chunks)
+                    return ready
+                scanner = scanner_type(
+                    strip_usage_only=ex.usage_injected, capture_chars=ex.capture_output_chars
+                )
+                ready = await self._until_first_output(resp, chunks, scanner)
+                ex.first_output_read_at = ready.first_output_at
+                return ready
+        except self.errors as e:  # before TimeoutError: a client's own timeouts may be TimeoutErrors too
+            err = self.client.error(e)
+            kind = err.kind
+            if kind is ErrorKind.IDLE_TIMEOUT:
+                kind = ErrorKind.TTFT_TIMEOUT  # nothing relayed yet: still waiting for the first token
+            info = ERRORS[kind]
+            return Failure(kind, info.status, f"upstream '{up.name}' ({ex.upstream_url}) {info.what}: {err}")
+        except TimeoutError:
+            return Failure(
+                ErrorKind.TTFT_TIMEOUT,
+                504,
+                f"upstream '{up.name}' ({ex.upstream_url}) sent no token within the "
+                f"ttft timeout of {up.ttft_timeout} s",
+            )
+        finally:
+            if resp is not None and ready is None:
+                resp.close()  # unread: drop the connection rather than return it to the pool
+
+    @staticmethod
+    async def _until_first_output(
+        resp: UpstreamResponse, chunks: AsyncIterator[bytes], scanner: SSEScanner
+    ) -> Ready:
+        """Reads a generation stream until its first output event (or its end), holding the bytes."""
+        ready = Ready(resp, chunks, scanner)
+        perf = time.perf_counter
+        async for data in chunks:
+            arrived = perf()  # a few reads before the first token: infertap's overhead starts here
+            out, outputs = scanner.feed(data)
+            if out:
+                ready.pending.append(out)
+            if outputs or scanner.facts.done or scanner.facts.error_events:
+                ready.outputs = outputs
+                if outputs:
+                    ready.first_output_at = arrived
+                break
+        return ready
+
+
+async def _empty() -> AsyncIterator[bytes]:
+    return
+    yield b""  # pragma: no cover - makes this an async generator

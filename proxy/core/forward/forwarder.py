@@ -1,0 +1,341 @@
+"""The streaming core: intake, attempts across upstreams and fallbacks, commit, exactly one terminal hook.
+
+(One attempt, up to its commit point, is attempts.py's; relaying a committed answer, relay.py's;
+the request's lifetime around its attempts (disconnect, total deadline, shutdown), lifetime.py's;
+the request record from the body, intake.py's.)
+
+No Prometheus and no OpenTelemetry here (lint enforces it): observers turn the Exchange into those.
+
+Nothing reaches the client before an attempt is committed. A generation stream is committed at
+its first output event (not at the upstream's headers), so an upstream that stalls or breaks
+before the first token is retried, or replaced by a fallback, without the client noticing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import Any
+
+from proxy.core.asgi import (
+    BodyTooLarge,
+    ClientGone,
+    RawHeaders,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    send_error,
+)
+from proxy.core.circuit import PANIC, Permit
+from proxy.core.errors import ERRORS, ErrorKind, outcome_of
+from proxy.core.exchange import DEFAULT_PROMPT_CLASS_BOUNDS, Exchange, Outcome
+from proxy.core.forward.attempts import Attempter, Call, Failure, Ready
+from proxy.core.forward.intake import (
+    PathRejected,
+    RequestIds,
+    RequestRejected,
+    fill_record,
+    forwarded_headers,
+    parse_request,
+    passthrough_suffix,
+    with_usage,
+)
+from proxy.core.forward.lifetime import guarded
+from proxy.core.forward.relay import relay_committed, response_headers, status_outcome, take_facts
+from proxy.core.hooks import ObserverSet
+from proxy.core.model_routing import Router, Upstream
+from proxy.core.route_table import OTHER, Route
+from proxy.core.sse import StreamFacts, error_event
+from proxy.transport.aiohttp_client import UpstreamClient
+
+log = logging.getLogger("infertap.forward")
+
+
+class Forwarder:
+    def __init__(
+        self,
+        router: Router,
+        client: UpstreamClient,
+        observers: ObserverSet,
+        max_body_bytes: int,
+        prompt_class_bounds: tuple[int, ...] = DEFAULT_PROMPT_CLASS_BOUNDS,
+        max_concurrency: int = 0,
+        when_all_open: str = "send",
+    ) -> None:
+        self.router = router
+        self.attempter = Attempter(client, observers)
+        self.observers = observers
+        self.max_body_bytes = max_body_bytes
+        self.prompt_class_bounds = prompt_class_bounds
+        self.max_concurrency = max_concurrency
+        self.active = 0
+        self.request_id = RequestIds()
+        self.panic = when_all_open == "send"
+        # Request tasks, so that the end of a drain can end them with a visible error.
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.shutting_down = False
+
+    def shut_down(self) -> None:
+        """The drain's deadline: every request still open ends now, each with a visible error."""
+        self.shutting_down = True
+        for task in list(self.tasks):
+            task.cancel()
+
+    # -- request intake ---------------------------------------------------------------------
+    async def handle(self, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
+        ex = Exchange(self.request_id(scope), route.label, scope["method"], scope["path"])
+        ex.client = scope.get("infertap.client", ex.client)
+        for key, value in scope["headers"]:
+            if key == b"traceparent" or key == b"tracestate":
+                ex.trace_context[key.decode()] = value.decode("latin-1")
+        rid = [(b"x-request-id", ex.request_id.encode())]
+        if route is OTHER:
+            try:
+                suffix = passthrough_suffix(scope)
+            except PathRejected as e:
+                await self._reject(send, ex, rid, 400, f"{e}: {scope['path']!r}", "invalid_path")
+                return
+        else:
+            suffix = scope["path"][3:]  # one of the known routes, matched exactly
+        if self.max_concurrency and self.active >= self.max_concurrency:
+            await self._reject(
+                send,
+                ex,
+                rid,
+                429,
+                f"infertap is at its limit of {self.max_concurrency} concurrent requests: retry shortly",
+                "too_many_requests",
+                kind=Outcome.RATE_LIMITED.value,
+                extra=[(b"retry-after", b"1")],
+            )
+            return
+        # Counted from here, before the body is read: a slow upload holds its place under the cap.
+        self.active += 1
+        try:
+            await self._intake(scope, receive, send, ex, route, rid, suffix)
+        finally:
+            self.active -= 1
+
+    async def _intake(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        ex: Exchange,
+        route: Route,
+        rid: RawHeaders,
+        suffix: str,
+    ) -> None:
+        try:
+            body = await read_body(receive, self.max_body_bytes)
+        except ClientGone:
+            return
+        except BodyTooLarge:
+            msg = f"the request body is larger than the limit of {self.max_body_bytes} bytes"
+            await self._reject(send, ex, rid, 413, msg, "request_too_large")
+            return
+        try:
+            obj = parse_request(route, body)
+        except RequestRejected as e:
+            await self._reject(send, ex, rid, e.status, e.message, e.code, e.param)
+            return
+        original = body
+        if obj is not None:
+            fill_record(ex, obj, self.prompt_class_bounds)
+        router = self.router  # this request's: a reload swaps self.router for new requests only
+        upstream = router.route(ex.model)
+        ex.upstream = upstream.name
+        ex.upstream_url = upstream.display_url
+        if obj is not None and ex.stream and route.stream_options:
+            body = with_usage(ex, obj, body, upstream.name in self.attempter.no_stream_options)
+        if scope.get("query_string"):
+            suffix += "?" + scope["query_string"].decode("latin-1")
+        call = Call(ex, route, upstream, suffix, forwarded_headers(scope), body, original, rid)
+        call.plan = router.plan(upstream)
+        self.observers.request_received(ex)
+        await self._guarded(receive, send, call)
+
+    async def _reject(
+        self,
+        send: Send,
+        ex: Exchange,
+        rid: RawHeaders,
+        status: int,
+        message: str,
+        code: str,
+        param: str | None = None,
+        extra: RawHeaders | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
+        self.observers.request_received(ex)
+        await send_error(send, status, message, kind, code, rid + (extra or []), param)
+        self._end(ex, Outcome.REJECTED, status, message)
+
+    def _end(
+        self, ex: Exchange, outcome: Outcome, status: int | None = None, error: str | None = None
+    ) -> None:
+        """The one terminal hook of a request."""
+        if ex.finished_at is not None:
+            return
+        ex.finished_at = time.perf_counter()
+        ex.outcome = outcome
+        if status is not None and ex.status_code is None:
+            ex.status_code = status
+        if error is not None:
+            ex.error_message = error
+        if outcome is Outcome.OK:
+            self.observers.finished(ex)
+        elif outcome is Outcome.CLIENT_DISCONNECT:
+            self.observers.client_disconnected(ex)
+        else:
+            self.observers.failed(ex)
+
+    # -- the request's lifetime: disconnects, the total deadline, shutdown (proxy.core.forward.lifetime) -----
+    async def _guarded(self, receive: Receive, send: Send, call: Call) -> None:
+        await guarded(self, receive, send, call)
+
+    # -- attempts, fallback, circuit --------------------------------------------------------
+    async def _exchange(self, send: Send, call: Call, watcher: asyncio.Task[None]) -> None:
+        ex = call.ex
+        plan = call.plan
+        now = time.monotonic()
+        # Only asks: the permit is taken right before an attempt goes (a fallback the request
+        # never reaches must not hold its upstream's probe slot).
+        usable = [up for up in plan if up.breaker.available(now)]
+        panic = False
+        if not usable:
+            if not self.panic:
+                await self._circuit_open(send, call, plan)
+                return
+            usable, panic = list(plan), True  # no healthy alternative left: keep sending
+        failure: Failure | None = None
+        for i, up in enumerate(usable):
+            policy = up.retry
+            attempt = 0
+            while attempt < policy.max_attempts:
+                attempt += 1
+                permit = PANIC if panic else up.breaker.acquire(time.monotonic())
+                if permit is None:
+                    break  # opened meanwhile, or another request is its probe: on to the fallback
+                last = i == len(usable) - 1 and attempt == policy.max_attempts
+                try:
+                    result = await self.attempter.run(call, up, last)
+                    if isinstance(result, Ready):
+                        status = result.resp.status
+                        self._health(
+                            ex, up, permit, status < 500, f"upstream '{up.name}' answered HTTP {status}"
+                        )
+                    else:
+                        self._health(ex, up, permit, not ERRORS[result.kind].unhealthy, result.message)
+                finally:
+                    up.breaker.release(permit)
+                if isinstance(result, Ready):
+                    await self._commit(send, call, result, watcher)
+                    return
+                failure = result
+                if failure.kind is ErrorKind.STREAM_OPTIONS:
+                    # infertap's own addition failed, not the upstream: at once, and off the budget
+                    # (it happens once per request: the body no longer has it).
+                    attempt -= 1
+                    await self._backoff(ex, failure.kind.value, 0.0)
+                    continue
+                if last:
+                    break
+                if attempt < policy.max_attempts:
+                    wait = policy.backoff(attempt) if failure.wait is None else failure.wait
+                    await self._backoff(ex, failure.kind.value, min(wait, policy.max_backoff_seconds))
+                else:
+                    await self._backoff(ex, failure.kind.value, 0.0)  # on to the fallback
+        if failure is None:
+            await self._circuit_open(send, call, plan)
+            return
+        await send_error(
+            send, failure.status, failure.message, failure.kind.value, failure.kind.value, call.rid
+        )
+        self._end(ex, outcome_of(failure.kind), failure.status, failure.message)
+
+    async def _circuit_open(self, send: Send, call: Call, plan: list[Upstream]) -> None:
+        now = time.monotonic()
+        msg = "; ".join(f"upstream '{up.name}' is unavailable: {up.breaker.describe(now)}" for up in plan)
+        wait = min(up.breaker.retry_in(now) for up in plan)
+        await send_error(
+            send,
+            503,
+            msg,
+            Outcome.UPSTREAM_ERROR.value,
+            "circuit_open",
+            call.rid + [(b"retry-after", str(max(1, math.ceil(wait))).encode())],
+        )
+        self._end(call.ex, Outcome.UPSTREAM_ERROR, 503, msg)
+
+    def _health(self, ex: Exchange, up: Upstream, permit: Permit, ok: bool, cause: str) -> None:
+        if up.breaker.record(permit, ok, time.monotonic(), None if ok else cause):
+            now_up = not up.breaker.is_open
+            if now_up:
+                log.warning("upstream %s: circuit closed (the probe succeeded)", up.name)
+            else:
+                log.warning(
+                    "upstream %s: circuit open (upstream skipped): %s",
+                    up.name,
+                    up.breaker.describe(time.monotonic()),
+                )
+            self.observers.upstream_health(ex, up.name, now_up)
+
+    async def _backoff(self, ex: Exchange, reason: str, delay: float) -> None:
+        ex.retries += 1
+        self.observers.retry(ex, reason, delay)
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    # -- commit and relay -------------------------------------------------------------------
+    async def _commit(self, send: Send, call: Call, ready: Ready, watcher: asyncio.Task[None]) -> None:
+        ex, resp = call.ex, ready.resp
+        is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+        facts = StreamFacts()
+        outcome = status_outcome(resp.status)
+        read_all = False
+        try:
+            call.committed = True
+            call.committed_sse = is_sse
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": resp.status,
+                    "headers": response_headers(resp.raw_headers, is_sse, call.rid),
+                }
+            )
+            facts, outcome = await relay_committed(send, call, ready, self.observers, outcome)
+            read_all = True
+        except self.attempter.errors as e:
+            err = self.attempter.client.error(e)
+            kind = err.kind
+            if kind not in (ErrorKind.IDLE_TIMEOUT, ErrorKind.TTFT_TIMEOUT):
+                kind = ErrorKind.READ_ERROR
+            msg = f"upstream '{ex.upstream}' failed mid-response: {err}"
+            if ready.scanner is not None:
+                facts = ready.scanner.facts
+            take_facts(ex, facts)
+            if not is_sse:
+                # Ending a plain body early would look complete; an aborted connection does not.
+                self._end(ex, outcome_of(kind), error=msg)
+                return
+            watcher.cancel()
+            await send(
+                {"type": "http.response.body", "more_body": False, "body": error_event(msg, kind.value)}
+            )
+            self._end(ex, outcome_of(kind), error=msg)
+            return
+        finally:
+            # A fully read answer returns its connection to the pool; anything else (a failure,
+            # a disconnect, a timeout) closes it, which is what stops the upstream generating.
+            if read_all:
+                resp.release()
+            else:
+                resp.close()
+        take_facts(ex, facts)
+        watcher.cancel()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        self._end(ex, outcome)

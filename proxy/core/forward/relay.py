@@ -1,0 +1,163 @@
+"""Relaying an upstream answer that has been committed to the client: the per-chunk hot path."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterable
+
+import orjson
+
+from proxy.core.asgi import RawHeaders, Send
+from proxy.core.exchange import Exchange, Outcome
+from proxy.core.forward.attempts import Call, Ready
+from proxy.core.forward.intake import DROP_RESPONSE, MAX_JSON_CAPTURE
+from proxy.core.hooks import ObserverSet
+from proxy.core.sse import SSEScanner, StreamFacts, absorb_response, error_event, usage_details, usage_tokens
+
+# Set on every stream below: the upstream's own copies would be sent twice (sse-starlette sends one).
+_SSE_OWN = frozenset({b"cache-control", b"x-accel-buffering"})
+
+
+def response_headers(raw: Iterable[tuple[bytes, bytes]], is_sse: bool, rid: RawHeaders) -> RawHeaders:
+    headers: RawHeaders = []
+    for k, v in raw:
+        name = k.lower()
+        if name in DROP_RESPONSE or (is_sse and name in _SSE_OWN):
+            continue
+        headers.append((name, v))
+    if is_sse:
+        # Tell nginx and friends not to buffer: a buffered stream has no TTFT worth the name.
+        headers.append((b"cache-control", b"no-cache"))
+        headers.append((b"x-accel-buffering", b"no"))
+    headers.extend(rid)
+    return headers
+
+
+async def relay_committed(
+    send: Send, call: Call, ready: Ready, obs: ObserverSet, outcome: Outcome
+) -> tuple[StreamFacts, Outcome]:
+    """Relays a committed answer after its headers: what an attempt held, then the rest. Returns
+    what the stream said and the outcome (a stream without its end marker is interrupted, and
+    says so in-band). A failed read raises (the forwarder names it)."""
+    ex = call.ex
+    if ready.prefetched is not None:
+        await send({"type": "http.response.body", "body": ready.prefetched, "more_body": True})
+        return StreamFacts(), outcome
+    scanner = ready.scanner
+    if scanner is None:
+        capture = call.route.json_body and "json" in ready.resp.headers.get("content-type", "")
+        return await relay_body(send, ready.chunks, capture, ex.capture_output_chars), outcome
+    if ready.pending:
+        await send({"type": "http.response.body", "body": b"".join(ready.pending), "more_body": True})
+        if ready.outputs:
+            stamp_outputs(ex, obs, ready.outputs, time.perf_counter())
+    await relay_sse(send, ex, obs, ready.chunks, scanner)
+    facts = scanner.facts
+    if facts.error_events:
+        return facts, Outcome.UPSTREAM_ERROR
+    if not facts.done:
+        msg = f"upstream '{ex.upstream}' ended the stream without {scanner.END}: the answer is incomplete"
+        outcome = Outcome.STREAM_INTERRUPTED
+        await send({"type": "http.response.body", "more_body": True, "body": error_event(msg, outcome.value)})
+        ex.error_message = msg
+    return facts, outcome
+
+
+def stamp_outputs(ex: Exchange, obs: ObserverSet, outputs: int, now: float) -> None:
+    """Record `outputs` output events handed to the client at `now`."""
+    last = ex.last_token_at
+    if last is None:
+        ex.first_token_at = ex.last_token_at = now
+        ex.output_events = 1
+        obs.first_token(ex)
+        outputs -= 1
+        if not outputs:
+            return
+        last = now  # the rest came with the first
+    ex.last_token_at = now
+    ex.output_events += outputs
+    obs.chunk(ex, now - last, outputs)
+
+
+async def relay_sse(
+    send: Send, ex: Exchange, obs: ObserverSet, chunks: AsyncIterator[bytes], scanner: SSEScanner
+) -> None:
+    """The hot loop: one scan, one send and, for output events, a timestamp and a hook.
+
+    The first answer event (not reasoning) is stamped too; the events held before commit were
+    stamped at one instant, so an answer among them takes that instant.
+    """
+    perf = time.perf_counter
+    facts = scanner.facts
+    if facts.answered and ex.first_answer_at is None:
+        ex.first_answer_at = ex.last_token_at
+    try:
+        async for data in chunks:
+            out, outputs = scanner.feed(data)
+            if not out:
+                continue
+            await send({"type": "http.response.body", "body": out, "more_body": True})
+            if outputs:
+                now = perf()
+                stamp_outputs(ex, obs, outputs, now)
+                if ex.first_answer_at is None and facts.answered:
+                    ex.first_answer_at = now
+    finally:
+        tail = scanner.flush()
+        if tail:
+            await send({"type": "http.response.body", "body": tail, "more_body": True})
+
+
+async def relay_body(
+    send: Send, chunks: AsyncIterator[bytes], capture: bool, capture_chars: int = 0
+) -> StreamFacts:
+    """A plain body, forwarded as it comes; JSON kept (up to a cap) to read its usage at the end."""
+    facts = StreamFacts(capture_chars=capture_chars)
+    parts: list[bytes] | None = [] if capture else None
+    size = 0
+    async for data in chunks:
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+        if parts is not None:
+            size += len(data)
+            if size > MAX_JSON_CAPTURE:
+                parts = None
+            else:
+                parts.append(data)
+    if parts:
+        try:
+            obj = orjson.loads(b"".join(parts))
+        except orjson.JSONDecodeError:
+            return facts
+        if isinstance(obj, dict):
+            absorb_response(facts, obj)
+    return facts
+
+
+def take_facts(ex: Exchange, facts: StreamFacts) -> None:
+    usage = facts.usage
+    if usage is not None:
+        prompt, completion = usage_tokens(usage)
+        if isinstance(prompt, int):
+            ex.prompt_tokens = prompt
+        if isinstance(completion, int):
+            ex.completion_tokens = completion
+        cached, reasoning = usage_details(usage)
+        if isinstance(cached, int):
+            ex.cached_tokens = cached
+        if isinstance(reasoning, int):
+            ex.reasoning_tokens = reasoning
+    ex.response_id = facts.response_id
+    ex.response_model = facts.response_model
+    ex.finish_reasons = facts.finish_reasons
+    if facts.capture_chars:
+        ex.output_text = "".join(facts.text)
+
+
+def status_outcome(status: int) -> Outcome:
+    if status < 400:
+        return Outcome.OK
+    if status == 429:
+        return Outcome.RATE_LIMITED
+    if status < 500:
+        return Outcome.CLIENT_ERROR
+    return Outcome.UPSTREAM_ERROR

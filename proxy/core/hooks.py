@@ -1,0 +1,179 @@
+"""Observer hooks for one request's life, and their fan-out.
+
+Pure stdlib. A failing observer is logged and contained: it never breaks a stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Iterable
+from typing import TYPE_CHECKING, Any
+
+from proxy.core.exchange import Exchange
+
+if TYPE_CHECKING:
+    from proxy.settings import Settings
+
+log = logging.getLogger("infertap.observer")
+
+HOOKS = (
+    "request_received",
+    "attempt_started",
+    "retry",
+    "first_byte",
+    "first_token",
+    "chunk",
+    "finished",
+    "failed",
+    "client_disconnected",
+    "ended",
+    "upstream_health",
+)
+
+
+class Observer:
+    """Base class: every hook is a no-op. Hooks are synchronous and must be cheap."""
+
+    name = "observer"
+
+    def request_received(self, ex: Exchange) -> None:
+        pass
+
+    def attempt_started(self, ex: Exchange) -> None:
+        pass
+
+    def retry(self, ex: Exchange, reason: str, backoff: float) -> None:
+        pass
+
+    def first_byte(self, ex: Exchange) -> None:
+        pass
+
+    def first_token(self, ex: Exchange) -> None:
+        pass
+
+    def chunk(self, ex: Exchange, gap: float, count: int) -> None:
+        """`count` later output events handed to the client at once: the first `gap` seconds after
+        the previous one (the inter-token latency), the others with it (0 s: they arrived in the
+        same read). One call per read, not per event: a burst of events costs one hook."""
+
+    def finished(self, ex: Exchange) -> None:
+        pass
+
+    def failed(self, ex: Exchange) -> None:
+        pass
+
+    def client_disconnected(self, ex: Exchange) -> None:
+        pass
+
+    def ended(self, ex: Exchange) -> None:
+        """After whichever terminal hook fired (finished, failed or client_disconnected), for an
+        observer that only needs to know that the request ended: `ex.outcome` says how.
+
+        Every observer's terminal hook runs before any observer's `ended`: what one observer
+        derives for the others (the spend observer's `ex.cost`) is set in a terminal hook and
+        read in `ended`, so no observer depends on the order in which they were registered."""
+
+    def upstream_health(self, ex: Exchange, upstream: str, up: bool) -> None:
+        """An upstream's circuit opened (up=False) or closed again (up=True) during `ex`."""
+
+    def reloaded(self, settings: Settings, fresh_circuits: Collection[str]) -> None:
+        """The configuration was reloaded (POST /admin/reload, SIGHUP, or another worker's): new
+        requests follow `settings`; `fresh_circuits` names the upstreams whose circuit the reload
+        started anew, closed (a new name or base URL, or every one when [circuit] changed). Called
+        at reload time, never on a request's path, so that an observer can rebuild there what it
+        derives from the configuration."""
+
+    def close(self) -> None:
+        """Called once at shutdown."""
+
+
+def _safe(observer: Observer, hook: str) -> Callable[..., None]:
+    method: Callable[..., None] = getattr(observer, hook)
+
+    def call(*args: Any) -> None:
+        try:
+            method(*args)
+        except Exception:
+            log.exception("observer %s failed in %s; the request goes on", observer.name, hook)
+
+    return call
+
+
+class ObserverSet:
+    """Fans each hook out to the observers that implement it.
+
+    Per hook, only observers that override it are called, so a hook nobody cares about
+    (often `chunk`) costs one empty loop on the hot path.
+    """
+
+    def __init__(self, observers: Iterable[Observer] = ()) -> None:
+        self.observers = list(observers)
+        self._calls: dict[str, list[Callable[..., None]]] = {
+            hook: [
+                _safe(o, hook)
+                for o in self.observers
+                if getattr(type(o), hook) is not getattr(Observer, hook)
+            ]
+            for hook in HOOKS
+        }
+
+    def request_received(self, ex: Exchange) -> None:
+        for call in self._calls["request_received"]:
+            call(ex)
+
+    def attempt_started(self, ex: Exchange) -> None:
+        for call in self._calls["attempt_started"]:
+            call(ex)
+
+    def retry(self, ex: Exchange, reason: str, backoff: float) -> None:
+        for call in self._calls["retry"]:
+            call(ex, reason, backoff)
+
+    def first_byte(self, ex: Exchange) -> None:
+        for call in self._calls["first_byte"]:
+            call(ex)
+
+    def first_token(self, ex: Exchange) -> None:
+        for call in self._calls["first_token"]:
+            call(ex)
+
+    def chunk(self, ex: Exchange, gap: float, count: int) -> None:
+        for call in self._calls["chunk"]:
+            call(ex, gap, count)
+
+    def finished(self, ex: Exchange) -> None:
+        for call in self._calls["finished"]:
+            call(ex)
+        self.ended(ex)
+
+    def failed(self, ex: Exchange) -> None:
+        for call in self._calls["failed"]:
+            call(ex)
+        self.ended(ex)
+
+    def client_disconnected(self, ex: Exchange) -> None:
+        for call in self._calls["client_disconnected"]:
+            call(ex)
+        self.ended(ex)
+
+    def ended(self, ex: Exchange) -> None:
+        for call in self._calls["ended"]:
+            call(ex)
+
+    def upstream_health(self, ex: Exchange, upstream: str, up: bool) -> None:
+        for call in self._calls["upstream_health"]:
+            call(ex, upstream, up)
+
+    def reloaded(self, settings: Settings, fresh_circuits: Collection[str]) -> None:
+        for o in self.observers:
+            try:
+                o.reloaded(settings, fresh_circuits)
+            except Exception:
+                log.exception("observer %s failed to follow the reload; it goes on as it was", o.name)
+
+    def close(self) -> None:
+        for o in self.observers:
+            try:
+                o.close()
+            except Exception:
+                log.exception("observer %s failed to close", o.name)

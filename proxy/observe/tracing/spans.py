@@ -1,0 +1,384 @@
+"""OpenTelemetry traces: provider setup and the TracingObserver.
+
+The ONLY module that imports opentelemetry (ruff TID251). Tracing is off until an OTLP endpoint
+is set (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_ENDPOINT or `[tracing] endpoint`;
+the OTEL_* variables win); while off, `build_tracing` returns None and no observer exists at all.
+
+Per request, a SERVER span (parent: the caller's W3C `traceparent`) and a CLIENT span per
+upstream attempt whose context goes upstream as `traceparent`, so engine traces join. Export is
+batched on a background thread: a slow or dead collector drops spans, never delays a request.
+The provider belongs to the observer (the global one is never set), so apps don't interfere.
+
+Choices, following the GenAI and HTTP semantic conventions:
+- `gen_ai.provider.name` is "openai": the API infertap speaks to every upstream (vLLM, SGLang
+  and TaoToken all serve it); the configured upstream name is in `infertap.upstream`.
+- Response, usage and timing attributes go on the SERVER span, the whole request as the caller
+  saw it. Attempt spans carry the request attributes and HTTP status but no `gen_ai.usage.*`,
+  so backends that add up usage per span don't count a request twice.
+- Status: OK for outcome `ok`, ERROR with `error.type` = outcome otherwise, except that a SERVER
+  span stays UNSET for a caller's own 4xx (`client_error` relayed from the upstream, `rejected`
+  by infertap), as HTTP server spans do; `infertap.outcome` always names the outcome, and the
+  attempt (CLIENT) span of a `client_error` is ERROR, as HTTP client spans are.
+- Timestamps: one wall-clock anchor per request (`started_unix_ns`) plus perf_counter offsets,
+  so a span lasts exactly `ex.duration` and events sit at `ex.ttft` etc.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+from opentelemetry import trace
+from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, OTELResourceDetector, Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioBased
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
+
+from proxy import __version__
+from proxy.core.errors import timeout_phase
+from proxy.core.exchange import Exchange, Outcome
+from proxy.core.hooks import Observer
+from proxy.core.route_table import route_of
+from proxy.observe.tracing.genai_content import Budget, input_messages
+from proxy.settings import ConfigError, Settings, TracingSettings
+
+log = logging.getLogger("infertap.tracing")
+
+Attrs = dict[str, AttributeValue]
+
+PROVIDER = "openai"
+PROTOCOLS = ("http/protobuf", "grpc")
+_CALLER_FAULTS = frozenset({Outcome.CLIENT_ERROR, Outcome.REJECTED})
+_MAX_DESCRIPTION = 512
+# Proposed Exchange field: how many characters of the answer the core should collect.
+
+
+# -- setup --------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ExportConfig:
+    endpoint: str  # the full traces URL for http/protobuf; host:port URL for grpc
+    protocol: str
+
+
+def export_config(ts: TracingSettings, environ: Mapping[str, str] = os.environ) -> ExportConfig | None:
+    """Where spans go, or None when tracing is off. The standard OTEL_* variables win.
+
+    `[tracing] endpoint` is a base URL like OTEL_EXPORTER_OTLP_ENDPOINT (`/v1/traces` is added
+    for http/protobuf unless it is there already). OTEL_SDK_DISABLED=true or
+    OTEL_TRACES_EXPORTER=none turn tracing off.
+    """
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    if environ.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "none":
+        return None
+    signal = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
+    base = (environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or ts.endpoint or "").strip()
+    if not signal and not base:
+        return None
+    protocol = (
+        environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "").strip()
+        or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "").strip()
+        or ts.protocol
+    )
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"OTLP protocol {protocol!r} is not supported: use one of {', '.join(PROTOCOLS)}")
+    if signal:
+        return ExportConfig(signal, protocol)
+    if protocol == "http/protobuf" and not base.rstrip("/").endswith("/v1/traces"):
+        base = base.rstrip("/") + "/v1/traces"
+    return ExportConfig(base, protocol)
+
+
+def _exporter(cfg: ExportConfig) -> SpanExporter:
+    if cfg.protocol == "grpc":
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+                OTLPSpanExporter as GrpcExporter,
+            )
+        except ImportError:
+            raise ConfigError(
+                "OTLP over gRPC needs the package opentelemetry-exporter-otlp-proto-grpc "
+                "(pip install 'infertap[grpc]'), or use protocol http/protobuf"
+            ) from None
+        return GrpcExporter(endpoint=cfg.endpoint)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(endpoint=cfg.endpoint)
+
+
+def _resource(ts: TracingSettings) -> Resource:
+    # Resource.create() lets our attributes win over OTEL_RESOURCE_ATTRIBUTES; merging the
+    # environment's once more makes it win, as everywhere else.
+    ours = Resource.create({SERVICE_NAME: ts.service_name, SERVICE_VERSION: __version__})
+    return ours.merge(OTELResourceDetector().detect())
+
+
+def _sampler(ts: TracingSettings, environ: Mapping[str, str] = os.environ) -> Sampler | None:
+    if environ.get("OTEL_TRACES_SAMPLER", "").strip():
+        return None  # the SDK reads OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG itself
+    return ParentBased(TraceIdRatioBased(ts.sample_ratio))
+
+
+def build_tracing(settings: Settings) -> TracingObserver | None:
+    """The tracing observer for `settings` and the OTEL_* environment, or None when off."""
+    cfg = export_config(settings.tracing)
+    if cfg is None:
+        return None
+    observer = TracingObserver(settings.tracing, exporter=_exporter(cfg))
+    parts = urlsplit(cfg.endpoint)
+    where = f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path}"
+    log.info("tracing: spans go to %s (%s)", where, cfg.protocol)
+    return observer
+
+
+# -- spans --------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _State:
+    server: Span
+    name: str
+    request: Attrs
+    attempt: Span | None = None
+
+
+def _wall(ex: Exchange, t: float) -> int:
+    """Wall-clock ns of perf_counter() time `t`: one anchor per request, so spans can't skew."""
+    return ex.started_unix_ns + int((t - ex.received_at) * 1e9)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _request_attrs(ex: Exchange) -> tuple[str, Attrs]:
+    op = route_of(ex.route).operation
+    attrs: Attrs = {"infertap.request_id": ex.request_id, "infertap.client": ex.client}
+    if op is None:
+        name = f"{ex.method} {ex.route}"
+    else:
+        name = f"{op} {ex.model}" if ex.model else op
+        attrs["gen_ai.operation.name"] = op
+        attrs["gen_ai.provider.name"] = PROVIDER
+        attrs["gen_ai.request.stream"] = ex.stream
+        if ex.prompt_class:
+            attrs["infertap.prompt_class"] = ex.prompt_class
+    if ex.model:
+        attrs["gen_ai.request.model"] = ex.model
+    p = ex.params
+    max_tokens = p.get("max_tokens", p.get("max_completion_tokens", p.get("max_output_tokens")))
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
+        attrs["gen_ai.request.max_tokens"] = max_tokens
+    for key in ("temperature", "top_p"):
+        if _number(p.get(key)):
+            attrs[f"gen_ai.request.{key}"] = float(p[key])
+    if ex.upstream:
+        attrs["infertap.upstream"] = ex.upstream
+    if ex.upstream_url:
+        url = urlsplit(ex.upstream_url)
+        if url.hostname:
+            attrs["server.address"] = url.hostname
+            attrs["server.port"] = url.port or (443 if url.scheme == "https" else 80)
+    return name, attrs
+
+
+def _response_attrs(ex: Exchange) -> Attrs:
+    attrs: Attrs = {"infertap.outcome": str(ex.outcome), "infertap.attempts": ex.attempts}
+    attrs["infertap.retries"] = ex.retries
+    if ex.status_code is not None:
+        attrs["http.response.status_code"] = ex.status_code
+    if ex.response_model:
+        attrs["gen_ai.response.model"] = ex.response_model
+    if ex.response_id:
+        attrs["gen_ai.response.id"] = ex.response_id
+    if ex.finish_reasons:
+        attrs["gen_ai.response.finish_reasons"] = list(ex.finish_reasons)
+    if ex.prompt_tokens is not None:
+        attrs["gen_ai.usage.input_tokens"] = ex.prompt_tokens
+    if ex.completion_tokens is not None or ex.output_events:
+        attrs["gen_ai.usage.output_tokens"] = ex.output_tokens
+        attrs["infertap.output_tokens_source"] = str(ex.token_source)
+    if ex.cached_tokens is not None:
+        attrs["gen_ai.usage.cache_read.input_tokens"] = ex.cached_tokens
+    if ex.reasoning_tokens is not None:
+        attrs["infertap.usage.reasoning_tokens"] = ex.reasoning_tokens
+    if ex.cost is not None:
+        attrs["infertap.cost"] = ex.cost
+    # The same Exchange properties the metrics observe.
+    timings = (("ttft_s", ex.ttft), ("ttft_answer_s", ex.ttft_answer), ("tpot_s", ex.tpot))
+    for key, value in (*timings, ("ttfb_s", ex.ttfb)):
+        if value is not None:
+            attrs[f"infertap.{key}"] = value
+    if ex.ttft is not None:
+        attrs["gen_ai.response.time_to_first_chunk"] = ex.ttft
+    if ex.duration is not None:
+        attrs["infertap.duration_s"] = ex.duration
+    return attrs
+
+
+def _fail(span: Span, kind: str, message: str | None) -> None:
+    span.set_attribute("error.type", kind)
+    span.set_status(Status(StatusCode.ERROR, (message or kind)[:_MAX_DESCRIPTION]))
+
+
+# -- the observer -------------------------------------------------------------------------------
+class TracingObserver(Observer):
+    """Spans from observer hooks. Give it an exporter (batched) or a ready span processor."""
+
+    name = "tracing"
+
+    def __init__(
+        self,
+        settings: TracingSettings,
+        *,
+        exporter: SpanExporter | None = None,
+        processor: SpanProcessor | None = None,
+        resource: Resource | None = None,
+        sampler: Sampler | None = None,
+    ) -> None:
+        if processor is None:
+            if exporter is None:
+                raise ValueError("TracingObserver needs an exporter or a span processor")
+            processor = BatchSpanProcessor(exporter)
+        self.capture_content = settings.capture_content
+        self.content_max_chars = settings.content_max_chars
+        self.provider = TracerProvider(
+            resource=resource if resource is not None else _resource(settings),
+            sampler=sampler if sampler is not None else _sampler(settings),
+        )
+        self.provider.add_span_processor(processor)
+        self._tracer = self.provider.get_tracer("infertap", __version__)
+        self._propagator = TraceContextTextMapPropagator()
+
+    def request_received(self, ex: Exchange) -> None:
+        parent = self._propagator.extract(ex.trace_context) if ex.trace_context else None
+        name, attrs = _request_attrs(ex)
+        server_attrs: Attrs = {**attrs, "http.request.method": ex.method, "url.path": ex.path}
+        span = self._tracer.start_span(
+            name, parent, SpanKind.SERVER, server_attrs, start_time=ex.started_unix_ns
+        )
+        ctx = span.get_span_context()
+        if ctx.trace_flags.sampled:
+            ex.trace_id = format(ctx.trace_id, "032x")
+        ex.scratch[self.name] = _State(span, name, attrs)
+        if self.capture_content:
+            # One character over the cap, so that cutting the answer shows as truncated.
+            ex.capture_output_chars = max(ex.capture_output_chars, self.content_max_chars + 1)
+
+    def attempt_started(self, ex: Exchange) -> None:
+        st: _State | None = ex.scratch.get(self.name)
+        if st is None:
+            return
+        if st.attempt is not None:
+            st.attempt.end()
+        started = ex.attempt_started_at if ex.attempt_started_at is not None else time.perf_counter()
+        span = self._tracer.start_span(
+            st.name,
+            trace.set_span_in_context(st.server),
+            SpanKind.CLIENT,
+            {**st.request, "infertap.attempt": ex.attempts},
+            start_time=_wall(ex, started),
+        )
+        st.attempt = span
+        self._propagator.inject(ex.upstream_headers, trace.set_span_in_context(span))
+
+    def first_byte(self, ex: Exchange) -> None:
+        st: _State | None = ex.scratch.get(self.name)
+        if st is not None and st.attempt is not None and ex.status_code is not None:
+            st.attempt.set_attribute("http.response.status_code", ex.status_code)
+
+    def retry(self, ex: Exchange, reason: str, backoff: float) -> None:
+        st: _State | None = ex.scratch.get(self.name)
+        if st is None:
+            return
+        now = _wall(ex, time.perf_counter())
+        if st.attempt is not None:
+            _fail(st.attempt, reason, f"attempt {ex.attempts} failed: {reason}")
+            st.attempt.end(now)
+            st.attempt = None
+        st.server.add_event(
+            "retry",
+            {
+                "infertap.retry.reason": reason,
+                "infertap.retry.backoff_s": float(backoff),
+                "infertap.attempt": ex.attempts,
+            },
+            now,
+        )
+
+    def first_token(self, ex: Exchange) -> None:
+        st: _State | None = ex.scratch.get(self.name)
+        if st is not None and ex.first_token_at is not None and ex.ttft is not None:
+            st.server.add_event("first_token", {"infertap.ttft_s": ex.ttft}, _wall(ex, ex.first_token_at))
+
+    def ended(self, ex: Exchange) -> None:
+        st: _State | None = ex.scratch.pop(self.name, None)
+        if st is None:
+            return
+        end = _wall(ex, ex.finished_at if ex.finished_at is not None else time.perf_counter())
+        outcome = Outcome(ex.outcome) if ex.outcome is not None else Outcome.UPSTREAM_ERROR
+        attrs = _response_attrs(ex)
+        if st.attempt is not None:
+            if outcome is Outcome.OK:
+                st.attempt.set_status(Status(StatusCode.OK))
+            else:
+                _fail(st.attempt, outcome.value, ex.error_message)
+            st.attempt.end(end)
+        server = st.server
+        server.set_attributes(attrs)
+        if ex.first_answer_at is not None and ex.first_answer_at != ex.first_token_at:
+            # A reasoning model's answer starts later than its first (reasoning) token.
+            answer = {"infertap.ttft_answer_s": ex.ttft_answer or 0.0}
+            server.add_event("first_answer_token", answer, _wall(ex, ex.first_answer_at))
+        if self.capture_content:
+            server.set_attributes(self._content(ex))
+        phase = timeout_phase(outcome.value)
+        if phase is not None:
+            server.add_event("timeout", {"infertap.timeout.phase": phase}, end)
+        elif outcome is Outcome.CLIENT_DISCONNECT:
+            phase = (
+                "before_first_byte"
+                if ex.first_byte_at is None
+                else ("before_first_token" if ex.first_token_at is None else "streaming")
+            )
+            server.add_event("client_disconnect", {"infertap.disconnect.phase": phase}, end)
+        elif outcome is Outcome.STREAM_INTERRUPTED:
+            server.add_event("stream_interrupted", {"infertap.output_events": ex.output_events}, end)
+        if outcome is Outcome.OK:
+            server.set_status(Status(StatusCode.OK))
+        elif outcome not in _CALLER_FAULTS:
+            _fail(server, outcome.value, ex.error_message)
+        server.end(end)
+
+    def _content(self, ex: Exchange) -> Attrs:
+        """Prompts and completions, only with capture_content."""
+        budget, out_budget = Budget(self.content_max_chars), Budget(self.content_max_chars)
+        attrs: Attrs = {}
+        request = ex.request_json
+        if isinstance(request, dict):
+            messages = input_messages(ex.route, request, budget)
+            if messages:
+                attrs["gen_ai.input.messages"] = orjson.dumps(messages).decode()
+        text = ex.output_text
+        if isinstance(text, str):
+            out: dict[str, Any] = {
+                "role": "assistant",
+                "parts": [{"type": "text", "content": out_budget.take(text)}],
+            }
+            if ex.finish_reasons:
+                out["finish_reason"] = ex.finish_reasons[0]
+            attrs["gen_ai.output.messages"] = orjson.dumps([out]).decode()
+        if budget.cut or out_budget.cut:
+            attrs["infertap.content_truncated"] = True
+        return attrs
+
+    def close(self) -> None:
+        """Flushes what is queued and stops the export thread."""
+        self.provider.shutdown()

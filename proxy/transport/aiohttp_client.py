@@ -1,0 +1,240 @@
+"""The seam to the upstream HTTP client: a small protocol, a response type, and the one aiohttp client.
+
+This is the only module that imports aiohttp (ruff's banned-API rule enforces it). The core sees
+an `UpstreamClient` that sends a request and returns an `UpstreamResponse`, and failures as
+`UpstreamError(kind, status, message)` named by the error table. A scripted client (the tests')
+or a faster one (docs/benchmarks.md proposes an httptools-based client) plugs in here.
+
+Why aiohttp: its C parser and stream reader cost a fraction of httpx's per chunk, and its pool
+does not scan every connection on each request; httpx's did, and delivered 7x fewer streams per
+second at 64 concurrent streams (docs/benchmarks.md, docs/architecture.md).
+
+Per-chunk cost matters: a response's `chunks()` is the client's own iterator, not a wrapper, so a
+read that fails mid-stream raises the client's exception. The core catches `client.errors` around
+its reads and turns what it caught into an UpstreamError with `client.error(exc)`, once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import aiohttp
+
+from proxy.core.errors import ErrorKind, UpstreamError, describe
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """An attempt's transport deadlines, in seconds (the ttft and total deadlines are the core's)."""
+
+    connect: float  # to open a connection (TCP + TLS)
+    pool: float  # to get a connection from the pool, on top of `connect`
+    idle: float  # between two reads
+
+
+class UpstreamResponse(Protocol):
+    """An upstream's answer: status and headers read, the body not yet."""
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """Case-insensitive."""
+        ...
+
+    @property
+    def raw_headers(self) -> Sequence[tuple[bytes, bytes]]: ...
+
+    @property
+    def sent_at(self) -> float | None:
+        """When the request's last byte was written to the upstream's socket (time.perf_counter();
+        None where the client cannot tell): where infertap's intake overhead ends."""
+        ...
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives; a failed read raises one of the client's `errors`."""
+        ...
+
+    async def read(self) -> bytes:
+        """The whole body (raises UpstreamError)."""
+        ...
+
+    def release(self) -> None:
+        """The body was read to its end: the connection may be reused."""
+
+    def close(self) -> None:
+        """Unread or broken: drop the connection (which is what stops an upstream generating)."""
+
+
+class UpstreamClient(Protocol):
+    # What a read from `UpstreamResponse.chunks()` may raise besides UpstreamError.
+    errors: tuple[type[BaseException], ...]
+
+    async def send(
+        self, method: str, url: str, headers: Mapping[str, str], body: bytes | None, timeouts: Timeouts
+    ) -> UpstreamResponse:
+        """Sends the request and waits for status and headers (raises UpstreamError)."""
+        ...
+
+    async def fetch(self, url: str, headers: Mapping[str, str], timeout: float) -> tuple[int, bytes]:
+        """GET a small document within `timeout` seconds in all: (status, body) (raises UpstreamError)."""
+        ...
+
+    def error(self, exc: BaseException) -> UpstreamError:
+        """The UpstreamError for something `send`, `fetch` or a read raised."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+# Most specific first: aiohttp's exception classes form a hierarchy (its timeouts are also
+# TimeoutErrors, so they must be told apart from infertap's own deadlines before those are).
+_EXCEPTION_KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
+    (aiohttp.ConnectionTimeoutError, ErrorKind.CONNECT_TIMEOUT),
+    (aiohttp.SocketTimeoutError, ErrorKind.IDLE_TIMEOUT),
+    (aiohttp.ServerTimeoutError, ErrorKind.IDLE_TIMEOUT),
+    (aiohttp.ClientConnectorError, ErrorKind.CONNECT_ERROR),
+    (aiohttp.ServerDisconnectedError, ErrorKind.READ_ERROR),
+    (aiohttp.ClientPayloadError, ErrorKind.READ_ERROR),
+    (aiohttp.ClientResponseError, ErrorKind.UPSTREAM_5XX),
+    (aiohttp.ClientConnectionError, ErrorKind.READ_ERROR),
+)
+
+
+def classify(exc: BaseException) -> ErrorKind:
+    if isinstance(exc, UpstreamError):
+        return exc.kind
+    for exc_type, kind in _EXCEPTION_KINDS:
+        if isinstance(exc, exc_type):
+            return kind
+    return ErrorKind.UPSTREAM_5XX
+
+
+class _StampedRequest(aiohttp.ClientRequest):
+    """aiohttp's request, noting when its last byte went to the socket. The stamp travels to the
+    response in a one-slot list that refers to nothing, so no reference cycle is made for the GC."""
+
+    _infertap_sent: list[float] | None = None
+
+    async def send(self, conn: aiohttp.connector.Connection) -> aiohttp.ClientResponse:
+        sent = self._infertap_sent = [0.0]
+        resp = await super().send(conn)
+        resp._infertap_sent = sent  # type: ignore[attr-defined]
+        if not sent[0] and self._writer is None:  # no body left to write: the headers were all
+            sent[0] = time.perf_counter()
+        return resp
+
+    async def write_bytes(
+        self,
+        writer: aiohttp.abc.AbstractStreamWriter,
+        conn: aiohttp.connector.Connection,
+        content_length: int | None = None,
+    ) -> None:
+        await super().write_bytes(writer, conn, content_length)
+        if self._infertap_sent is not None:
+            self._infertap_sent[0] = time.perf_counter()
+
+
+class _Response:
+    __slots__ = ("_r", "status", "headers", "raw_headers", "sent_at")
+
+    def __init__(self, r: aiohttp.ClientResponse) -> None:
+        self._r = r
+        self.status = r.status
+        self.headers: Mapping[str, str] = r.headers
+        self.raw_headers: Sequence[tuple[bytes, bytes]] = r.raw_headers
+        sent: list[float] | None = getattr(r, "_infertap_sent", None)
+        self.sent_at: float | None = sent[0] or None if sent is not None else None
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        return self._r.content.iter_any()
+
+    async def read(self) -> bytes:
+        try:
+            return await self._r.read()
+        except aiohttp.ClientError as e:
+            raise _error(e) from e
+
+    def release(self) -> None:
+        self._r.release()
+
+    def close(self) -> None:
+        self._r.close()
+
+
+def _error(exc: BaseException) -> UpstreamError:
+    if isinstance(exc, UpstreamError):
+        return exc
+    return UpstreamError(classify(exc), None, describe(exc))
+
+
+class AiohttpClient:
+    """One pooled aiohttp session for all upstreams. Must be created inside the running event loop.
+
+    No environment proxies (a stray HTTP_PROXY would buffer streams), no cookies, no
+    decompression (bytes are relayed unchanged), no redirects.
+    """
+
+    errors: tuple[type[BaseException], ...] = (aiohttp.ClientError, UpstreamError)
+
+    def __init__(self, max_connections: int = 1000) -> None:
+        connector = aiohttp.TCPConnector(
+            limit=max_connections,
+            limit_per_host=0,
+            # Expire idle connections before a typical server's 5 s keep-alive closes them under us.
+            keepalive_timeout=4.0,
+            ttl_dns_cache=300,
+        )
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None),
+            trust_env=False,
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=("User-Agent",),
+            request_class=_StampedRequest,
+        )
+        self._timeouts: dict[Timeouts, aiohttp.ClientTimeout] = {}
+
+    def _timeout(self, t: Timeouts) -> aiohttp.ClientTimeout:
+        native = self._timeouts.get(t)
+        if native is None:
+            native = self._timeouts[t] = aiohttp.ClientTimeout(
+                total=None, connect=t.connect + t.pool, sock_connect=t.connect, sock_read=t.idle
+            )
+        return native
+
+    async def send(
+        self, method: str, url: str, headers: Mapping[str, str], body: bytes | None, timeouts: Timeouts
+    ) -> UpstreamResponse:
+        try:
+            r = await self.session.request(
+                method,
+                url,
+                headers=headers,
+                data=body,
+                timeout=self._timeout(timeouts),
+                allow_redirects=False,
+            )
+        except aiohttp.ClientError as e:  # its timeouts are TimeoutErrors too: caught here, not as ours
+            raise _error(e) from e
+        return _Response(r)
+
+    async def fetch(self, url: str, headers: Mapping[str, str], timeout: float) -> tuple[int, bytes]:
+        try:
+            async with self.session.get(
+                url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as r:
+                return r.status, await r.read()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise _error(e) from e
+
+    def error(self, exc: BaseException) -> UpstreamError:
+        return _error(exc)
+
+    async def close(self) -> None:
+        await self.session.close()
