@@ -31,10 +31,11 @@ from proxy.control.reload_sharing import PEER_POLL_SECONDS, Peers
 from proxy.control.upstream_checks import UpstreamChecker
 from proxy.core.asgi import Message, Receive, Scope, Send, header, send_error
 from proxy.core.forward.forwarder import Forwarder
-from proxy.core.forward.intake import RequestIds
 from proxy.core.hooks import Observer, ObserverSet
 from proxy.core.model_routing import Router
+from proxy.core.request_ids import RequestIds
 from proxy.core.route_table import OTHER, PROXIED
+from proxy.core.seam import UpstreamClient
 from proxy.observe.access_log import AccessLog
 from proxy.observe.metrics.prometheus import CollectorRegistry, Metrics
 from proxy.observe.repetition import LoopDetector
@@ -43,7 +44,7 @@ from proxy.observe.tracing.spans import build_tracing
 from proxy.observe.ui import UIObserver, UIRoutes
 from proxy.observe.upstream_stats import UpstreamStats
 from proxy.settings import Settings
-from proxy.transport.aiohttp_client import AiohttpClient, UpstreamClient
+from proxy.transport import AiohttpClient
 
 log = logging.getLogger("infertap.app")
 

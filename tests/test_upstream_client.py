@@ -14,8 +14,8 @@ import httpx
 
 from proxy.app import create_app
 from proxy.core.errors import ErrorKind, UpstreamError
+from proxy.core.seam import Timeouts, UpstreamClient, UpstreamResponse
 from proxy.settings import RetrySettings
-from proxy.transport.aiohttp_client import Timeouts, UpstreamClient, UpstreamResponse
 from tests.conftest import RecordingObserver, make_settings, serve_in_thread
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}

@@ -12,10 +12,8 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
 from proxy.api.ops import ApiError, ErrorResponse, bearer_ok, the_app, unauthorized
-from proxy.control.reload import RELOADABLE
-from proxy.observe.ui.data import public_config
 from proxy.observe.upstream_stats import p50
-from proxy.settings import ConfigError
+from proxy.settings import RELOADABLE, ConfigError, public_config
 
 
 def require_admin(request: Request) -> None:

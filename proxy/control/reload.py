@@ -30,11 +30,9 @@ from typing import Any, Protocol
 from proxy.control.auth import ClientKeys, HeaderNames, bearer_token, header_names
 from proxy.control.reload_sharing import Peers
 from proxy.core.model_routing import Router
-from proxy.settings import ConfigError, Settings
+from proxy.settings import RELOADABLE, ConfigError, Settings
 
 log = logging.getLogger("infertap.reload")
-
-RELOADABLE = ("upstreams", "timeouts", "retry", "circuit", "auth")
 
 
 @dataclass(frozen=True, slots=True)

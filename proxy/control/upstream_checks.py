@@ -16,7 +16,7 @@ from typing import Any
 from proxy import __version__
 from proxy.core.errors import UpstreamError
 from proxy.core.model_routing import Router, Upstream
-from proxy.transport.aiohttp_client import UpstreamClient
+from proxy.core.seam import UpstreamClient
 
 log = logging.getLogger("infertap.health")
 

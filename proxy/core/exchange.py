@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from proxy.settings.sections import DEFAULT_PROMPT_CLASS_BOUNDS
+
 
 class Outcome(StrEnum):
     """Closed vocabulary shared by the `outcome` label, span status and JSON error `type`."""
@@ -31,7 +33,6 @@ class Outcome(StrEnum):
 
 
 # Written once: the metrics settings' default and the forwarder's take it from here.
-DEFAULT_PROMPT_CLASS_BOUNDS = (1024, 4096, 16384)
 
 
 def prompt_class(tokens: int, bounds: tuple[int, ...] = DEFAULT_PROMPT_CLASS_BOUNDS) -> str:

@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from proxy.core.circuit import Breaker
-from proxy.core.forward.intake import display_url
-from proxy.settings import RetrySettings, Settings, UpstreamSettings
-from proxy.transport.aiohttp_client import Timeouts
+from proxy.core.seam import Timeouts
+from proxy.settings import RetrySettings, Settings, UpstreamSettings, display_url
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 

@@ -1,9 +1,8 @@
-"""The seam to the upstream HTTP client: a small protocol, a response type, and the one aiohttp client.
+"""The aiohttp implementation of the seam (proxy/core/seam.py): one pooled session for all upstreams.
 
-This is the only module that imports aiohttp (ruff's banned-API rule enforces it). The core sees
-an `UpstreamClient` that sends a request and returns an `UpstreamResponse`, and failures as
-`UpstreamError(kind, status, message)` named by the error table. A scripted client (the tests')
-or a faster one (docs/benchmarks.md proposes an httptools-based client) plugs in here.
+With the other transport packages to come, this is where aiohttp is imported (import-linter and
+ruff's banned-API rule enforce it): its exceptions become `UpstreamError(kind, status, message)`
+here, named by the error table, most specific first.
 
 Why aiohttp: its C parser and stream reader cost a fraction of httpx's per chunk, and its pool
 does not scan every connection on each request; httpx's did, and delivered 7x fewer streams per
@@ -18,78 +17,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 import aiohttp
 
 from proxy.core.errors import ErrorKind, UpstreamError, describe
-
-
-@dataclass(frozen=True, slots=True)
-class Timeouts:
-    """An attempt's transport deadlines, in seconds (the ttft and total deadlines are the core's)."""
-
-    connect: float  # to open a connection (TCP + TLS)
-    pool: float  # to get a connection from the pool, on top of `connect`
-    idle: float  # between two reads
-
-
-class UpstreamResponse(Protocol):
-    """An upstream's answer: status and headers read, the body not yet."""
-
-    @property
-    def status(self) -> int: ...
-
-    @property
-    def headers(self) -> Mapping[str, str]:
-        """Case-insensitive."""
-        ...
-
-    @property
-    def raw_headers(self) -> Sequence[tuple[bytes, bytes]]: ...
-
-    @property
-    def sent_at(self) -> float | None:
-        """When the request's last byte was written to the upstream's socket (time.perf_counter();
-        None where the client cannot tell): where infertap's intake overhead ends."""
-        ...
-
-    def chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives; a failed read raises one of the client's `errors`."""
-        ...
-
-    async def read(self) -> bytes:
-        """The whole body (raises UpstreamError)."""
-        ...
-
-    def release(self) -> None:
-        """The body was read to its end: the connection may be reused."""
-
-    def close(self) -> None:
-        """Unread or broken: drop the connection (which is what stops an upstream generating)."""
-
-
-class UpstreamClient(Protocol):
-    # What a read from `UpstreamResponse.chunks()` may raise besides UpstreamError.
-    errors: tuple[type[BaseException], ...]
-
-    async def send(
-        self, method: str, url: str, headers: Mapping[str, str], body: bytes | None, timeouts: Timeouts
-    ) -> UpstreamResponse:
-        """Sends the request and waits for status and headers (raises UpstreamError)."""
-        ...
-
-    async def fetch(self, url: str, headers: Mapping[str, str], timeout: float) -> tuple[int, bytes]:
-        """GET a small document within `timeout` seconds in all: (status, body) (raises UpstreamError)."""
-        ...
-
-    def error(self, exc: BaseException) -> UpstreamError:
-        """The UpstreamError for something `send`, `fetch` or a read raised."""
-        ...
-
-    async def close(self) -> None: ...
-
+from proxy.core.seam import Timeouts, UpstreamResponse
 
 # Most specific first: aiohttp's exception classes form a hierarchy (its timeouts are also
 # TimeoutErrors, so they must be told apart from infertap's own deadlines before those are).

@@ -9,6 +9,7 @@ forwarder can retry it or fall back to another upstream.
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -16,12 +17,11 @@ from dataclasses import dataclass, field
 from proxy.core.asgi import RawHeaders
 from proxy.core.errors import ERRORS, ErrorKind, UpstreamError
 from proxy.core.exchange import Exchange
-from proxy.core.forward.intake import retry_after
 from proxy.core.hooks import ObserverSet
 from proxy.core.model_routing import RETRYABLE_STATUS, Upstream
 from proxy.core.route_table import Route
+from proxy.core.seam import UpstreamClient, UpstreamResponse
 from proxy.core.sse import SSEScanner
-from proxy.transport.aiohttp_client import UpstreamClient, UpstreamResponse
 
 
 @dataclass(slots=True)
@@ -193,3 +193,18 @@ class Attempter:
 async def _empty() -> AsyncIterator[bytes]:
     return
     yield b""  # pragma: no cover - makes this an async generator
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header: delta-seconds or an HTTP date."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())

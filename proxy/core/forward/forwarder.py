@@ -31,25 +31,20 @@ from proxy.core.asgi import (
 )
 from proxy.core.circuit import PANIC, Permit
 from proxy.core.errors import ERRORS, ErrorKind, outcome_of
-from proxy.core.exchange import DEFAULT_PROMPT_CLASS_BOUNDS, Exchange, Outcome
+from proxy.core.exchange import Exchange, Outcome
 from proxy.core.forward.attempts import Attempter, Call, Failure, Ready
-from proxy.core.forward.intake import (
-    PathRejected,
-    RequestIds,
-    RequestRejected,
-    fill_record,
-    forwarded_headers,
-    parse_request,
-    passthrough_suffix,
-    with_usage,
-)
+from proxy.core.forward.intake import RequestRejected, fill_record, parse_request, with_usage
 from proxy.core.forward.lifetime import guarded
 from proxy.core.forward.relay import relay_committed, response_headers, status_outcome, take_facts
+from proxy.core.headers import forwarded_headers
 from proxy.core.hooks import ObserverSet
 from proxy.core.model_routing import Router, Upstream
+from proxy.core.paths import PathRejected, passthrough_suffix
+from proxy.core.request_ids import RequestIds
 from proxy.core.route_table import OTHER, Route
+from proxy.core.seam import UpstreamClient
 from proxy.core.sse import StreamFacts, error_event
-from proxy.transport.aiohttp_client import UpstreamClient
+from proxy.settings import DEFAULT_PROMPT_CLASS_BOUNDS
 
 log = logging.getLogger("infertap.forward")
 

@@ -10,7 +10,8 @@ import orjson
 from proxy.core.asgi import RawHeaders, Send
 from proxy.core.exchange import Exchange, Outcome
 from proxy.core.forward.attempts import Call, Ready
-from proxy.core.forward.intake import DROP_RESPONSE, MAX_JSON_CAPTURE
+from proxy.core.forward.intake import MAX_JSON_CAPTURE
+from proxy.core.headers import DROP_RESPONSE
 from proxy.core.hooks import ObserverSet
 from proxy.core.sse import SSEScanner, StreamFacts, absorb_response, error_event, usage_details, usage_tokens
 

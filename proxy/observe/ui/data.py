@@ -10,12 +10,7 @@ import bisect
 import itertools
 import math
 import random
-import re
 from collections.abc import Iterable, Sequence
-from typing import Any
-
-from proxy.core.forward.intake import display_url
-from proxy.settings import Settings
 
 QUANTILES = (0.5, 0.9, 0.99)
 MERGE_MAX = 2048
@@ -171,35 +166,3 @@ def quantiles(groups: Iterable[Reservoir], qs: Sequence[float] = QUANTILES) -> t
 
 
 # -- the active configuration, with nothing secret in it ------------------------------------
-HIDDEN = "(hidden)"
-_SECRET_NAME = re.compile(r"key|token|secret|passw|credential|cookie", re.IGNORECASE)
-
-
-def public_config(settings: Settings) -> dict[str, Any]:
-    """`settings.model_dump()` for display: URLs without user info or query, upstream header
-    values hidden (only their names shown), and any other string whose field name sounds secret
-    hidden, except the names of environment variables and files (`*_env`, `*_file`)."""
-    data = settings.model_dump(mode="json")
-    for up in data.get("upstreams", []):
-        up["base_url"] = display_url(up["base_url"])
-        up["headers"] = {name: HIDDEN for name in up.get("headers", {})}
-    tracing = data.get("tracing", {})
-    if tracing.get("endpoint"):
-        tracing["endpoint"] = display_url(tracing["endpoint"])
-    scrubbed: dict[str, Any] = _scrub(data)
-    return scrubbed
-
-
-def _scrub(value: Any, name: str = "") -> Any:
-    if isinstance(value, dict):
-        return {k: _scrub(v, str(k)) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_scrub(v, name) for v in value]
-    if (
-        isinstance(value, str)
-        and value != HIDDEN
-        and _SECRET_NAME.search(name)
-        and not name.endswith(("_env", "_file"))
-    ):
-        return HIDDEN
-    return value

@@ -20,10 +20,8 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from proxy import __version__
-from proxy.control.reload import RELOADABLE
 from proxy.core.errors import TIMEOUT_PHASES
 from proxy.core.exchange import Exchange, Outcome
-from proxy.core.forward.intake import display_url
 from proxy.core.hooks import Observer
 from proxy.core.route_table import route_of
 from proxy.observe.metrics.labels import NONE, ModelLabels
@@ -32,11 +30,10 @@ from proxy.observe.ui.data import (
     SecondRing,
     Step,
     StepRing,
-    public_config,
     quantiles,
     step_quantiles,
 )
-from proxy.settings import Settings
+from proxy.settings import RELOADABLE, Settings, display_url, public_config
 
 MAX_MODEL_CHARS = 120
 CHARTED_MODELS = 12

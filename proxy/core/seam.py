@@ -1,0 +1,80 @@
+"""The seam to the upstream HTTP client: what the core needs of one, and nothing of how.
+
+The core states the interface; proxy/transport/ implements it (aiohttp today). So the core imports
+no HTTP client library, and no transport module (import-linter holds both), and a scripted client
+(the tests') or another implementation plugs in behind the same three types. Failures cross the
+seam as `UpstreamError(kind, status, message)`, named by the error table (errors.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from proxy.core.errors import UpstreamError
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """An attempt's transport deadlines, in seconds (the ttft and total deadlines are the core's)."""
+
+    connect: float  # to open a connection (TCP + TLS)
+    pool: float  # to get a connection from the pool, on top of `connect`
+    idle: float  # between two reads
+
+
+class UpstreamResponse(Protocol):
+    """An upstream's answer: status and headers read, the body not yet."""
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """Case-insensitive."""
+        ...
+
+    @property
+    def raw_headers(self) -> Sequence[tuple[bytes, bytes]]: ...
+
+    @property
+    def sent_at(self) -> float | None:
+        """When the request's last byte was written to the upstream's socket (time.perf_counter();
+        None where the client cannot tell): where infertap's intake overhead ends."""
+        ...
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives; a failed read raises one of the client's `errors`."""
+        ...
+
+    async def read(self) -> bytes:
+        """The whole body (raises UpstreamError)."""
+        ...
+
+    def release(self) -> None:
+        """The body was read to its end: the connection may be reused."""
+
+    def close(self) -> None:
+        """Unread or broken: drop the connection (which is what stops an upstream generating)."""
+
+
+class UpstreamClient(Protocol):
+    # What a read from `UpstreamResponse.chunks()` may raise besides UpstreamError.
+    errors: tuple[type[BaseException], ...]
+
+    async def send(
+        self, method: str, url: str, headers: Mapping[str, str], body: bytes | None, timeouts: Timeouts
+    ) -> UpstreamResponse:
+        """Sends the request and waits for status and headers (raises UpstreamError)."""
+        ...
+
+    async def fetch(self, url: str, headers: Mapping[str, str], timeout: float) -> tuple[int, bytes]:
+        """GET a small document within `timeout` seconds in all: (status, body) (raises UpstreamError)."""
+        ...
+
+    def error(self, exc: BaseException) -> UpstreamError:
+        """The UpstreamError for something `send`, `fetch` or a read raised."""
+        ...
+
+    async def close(self) -> None: ...
