@@ -33,7 +33,7 @@ def test_what_counts_against_an_upstream() -> None:
         ErrorKind.CONNECT_TIMEOUT,
         ErrorKind.TTFT_TIMEOUT,
         ErrorKind.IDLE_TIMEOUT,
-        ErrorKind.READ_ERROR,
+        ErrorKind.STREAM_INTERRUPTED,
         ErrorKind.UPSTREAM_5XX,
     }
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from proxy.core.exchange import Exchange
-from proxy.observe.repetition import LoopDetector, repetition_score, tokens
+from proxy.observe.repetition import RepetitionDetector, repetition_score, tokens
 from proxy.settings import LoopSettings, Settings
 from proxy.sim import create_sim_app
 from proxy.sim.config import sim_config_from_dict
@@ -86,7 +86,7 @@ def test_tokens_are_words_and_cjk_characters() -> None:
 
 def test_the_observer_asks_for_the_window_and_scores_once() -> None:
     flagged: list[tuple[str, float]] = []
-    det = LoopDetector(LoopSettings(window_chars=500), lambda ex, s: flagged.append((ex.request_id, s)))
+    det = RepetitionDetector(LoopSettings(window_chars=500), lambda ex, s: flagged.append((ex.request_id, s)))
     ex = Exchange(request_id="r1", route="chat.completions", method="POST", path="/v1/chat/completions")
     ex.capture_output_chars = 4096  # another observer (tracing) asked for more: keep the larger
     det.request_received(ex)

@@ -137,7 +137,7 @@ def test_a_removed_upstreams_in_flight_count_shows_until_its_requests_end() -> N
     metrics = Metrics(make_settings(("a", CLOSED_PORT), ("b", CLOSED_PORT)))
     ex = Exchange("r", "chat.completions", "POST", "/v1/chat/completions", upstream="b")
     metrics.request_received(ex)
-    metrics.reloaded(make_settings(("a", CLOSED_PORT), ("c", CLOSED_PORT)), {"c"})
+    metrics.configuration_changed(make_settings(("a", CLOSED_PORT), ("c", CLOSED_PORT)), {"c"})
     text = metrics.render(None)[0].decode()
     assert (up(text), gauge(text, IN_FLIGHT)) == ({"a": 1, "c": 1}, {"a": 0, "b": 1, "c": 0})
     ex.outcome = Outcome.CLIENT_DISCONNECT

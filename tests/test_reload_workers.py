@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_a
 
 from proxy.control.reload import Access, Reloader
 from proxy.control.reload_sharing import Peers, prepare
-from proxy.core.model_routing import Router
+from proxy.core.model_routing import ModelRouter
 from proxy.settings import ConfigError, Settings, load_settings
 from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import serve_in_thread, serve_process, wait_until
@@ -109,11 +109,11 @@ class _Worker:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.routing = Router.from_settings(settings)
+        self.routing = ModelRouter.from_settings(settings)
         self.memory: set[str] = set()
 
-    def swap(self, settings: Settings, access: Access, router: Router) -> None:
-        self.settings, self.routing = settings, router
+    def swap(self, settings: Settings, access: Access, routing: ModelRouter) -> None:
+        self.settings, self.routing = settings, routing
 
     def stream_options_memory(self) -> set[str]:
         return self.memory

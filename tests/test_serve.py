@@ -222,10 +222,10 @@ def test_a_base_url_without_v1_gets_a_start_up_warning(tmp_path: Path) -> None:
     assert "WARNING" in text and "write http://127.0.0.1:9/v1" in text
     assert "--upstream vllm=http://127.0.0.1:9/v1" in text
 
-    from proxy.core.model_routing import Router
+    from proxy.core.model_routing import ModelRouter
     from proxy.settings import Settings, UpstreamSettings
 
-    router = Router.from_settings(
+    routing = ModelRouter.from_settings(
         Settings(
             upstreams=[
                 UpstreamSettings(name="bare", base_url="http://127.0.0.1:8000/"),
@@ -234,7 +234,7 @@ def test_a_base_url_without_v1_gets_a_start_up_warning(tmp_path: Path) -> None:
             ]
         )
     )
-    warned = {u.name: u.config_warnings for u in router.upstreams}
+    warned = {u.name: u.config_warnings for u in routing.upstreams}
     assert len(warned["bare"]) == 1 and warned["ok"] == () and warned["taotoken"] == ()
 
 

@@ -332,7 +332,7 @@ def test_key_names_from_the_environment_and_the_file(monkeypatch: pytest.MonkeyP
         "unnamed",
         None,
     ]
-    assert ck.check("Bearer sk-1") and not ck.check("sk-1")
+    assert ck.identify("Bearer sk-1") is not None and ck.identify("sk-1") is None
 
 
 @pytest.mark.parametrize("entry", ["anonymous=sk-1", "other=sk-1"])

@@ -11,13 +11,14 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
-from proxy.api.ops import ApiError, ErrorResponse, bearer_ok, the_app, unauthorized
+from proxy.api.deps import RuntimeDep, bearer_ok
+from proxy.api.errors import ApiError, ErrorResponse, unauthorized
 from proxy.observe.upstream_stats import p50
 from proxy.settings import RELOADABLE, ConfigError, public_config
 
 
-def require_admin(request: Request) -> None:
-    token = the_app(request).access.admin_token
+def require_admin(request: Request, runtime: RuntimeDep) -> None:
+    token = runtime.access.admin_token
     if token is None:
         raise ApiError(
             403,
@@ -92,22 +93,20 @@ class ReloadResult(BaseModel):
 
 
 @router.get("/upstreams", response_model=list[UpstreamState], summary="Each upstream's state")
-async def upstreams(request: Request) -> list[UpstreamState]:
-    app = the_app(request)
-    rt = app.runtime
-    ready, _ = app.ready()
+async def upstreams(runtime: RuntimeDep) -> list[UpstreamState]:
     # The background checks' and the breakers' view, as GET /status has it; traffic from UpstreamStats.
-    status = {row["name"]: row for row in rt.checker.status(rt.drain.draining, ready)["upstreams"]}
+    status = {row["name"]: row for row in runtime.status()["upstreams"]}
     rows = []
-    for up in app.routing.upstreams:
+    routing = runtime.routing
+    for up in routing.upstreams:
         s = status[up.name]
-        t = app.stats.traffic(up.name)
+        t = runtime.stats.traffic(up.name)
         fail = t.last_failure
         rows.append(
             UpstreamState(
                 name=up.name,
                 base_url=up.display_url,
-                default=up is app.routing.default,
+                default=up is routing.default,
                 models=up.models,
                 fallback=up.fallback,
                 circuit=Circuit.model_validate(s["circuit"]),
@@ -129,10 +128,9 @@ async def upstreams(request: Request) -> list[UpstreamState]:
 
 
 @router.get("/config", response_model=EffectiveConfig, summary="The running configuration, secrets redacted")
-async def config(request: Request) -> EffectiveConfig:
-    app = the_app(request)
+async def config(runtime: RuntimeDep) -> EffectiveConfig:
     return EffectiveConfig(
-        config=public_config(app.settings), reloadable=list(RELOADABLE), reloaded_at=app.reloaded_at
+        config=public_config(runtime.settings), reloadable=list(RELOADABLE), reloaded_at=runtime.reloaded_at
     )
 
 
@@ -149,17 +147,17 @@ async def config(request: Request) -> EffectiveConfig:
         409: {"model": ErrorResponse, "description": "this infertap has no configuration file to reload"},
     },
 )
-async def reload(request: Request) -> ReloadResult:
-    app = the_app(request)
-    if app.reloader is None:
+async def reload(runtime: RuntimeDep) -> ReloadResult:
+    reloader = runtime.reloader
+    if reloader is None:
         raise ApiError(409, "this infertap was started without a configuration to reload", code="no_reload")
     try:
-        applied = app.reloader.reload()
+        applied = reloader.reload()
     except ConfigError as e:
         raise ApiError(
             400, f"the configuration was NOT reloaded (the running one stays): {e}", code="invalid_config"
         ) from None
-    workers = app.settings.server.workers if app.reloader.peers is not None else 1
+    workers = runtime.settings.server.workers if reloader.peers is not None else 1
     return ReloadResult(
         reloaded=True, applied=applied.changed, restart_needed=applied.restart_needed, workers=workers
     )

@@ -63,10 +63,8 @@ class ClientKeys:
 
     def identify(self, authorization: str | None) -> str | None:
         """The client name of the presented key (UNNAMED for a key without one), None if refused."""
-        if not authorization or not authorization.startswith("Bearer "):
-            return None
-        key = authorization[7:].strip()
-        if not key:
+        key = bearer_key(authorization)
+        if key is None:
             return None
         presented = _digest(key)
         found = -1
@@ -75,8 +73,18 @@ class ClientKeys:
                 found = i
         return self.names[found] if found >= 0 else None
 
-    def check(self, authorization: str | None) -> bool:
-        return self.identify(authorization) is not None
+
+def bearer_key(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header; None when there is none."""
+    if not authorization or not authorization.startswith("Bearer "):
+        return None
+    return authorization[7:].strip() or None
+
+
+def bearer_matches(authorization: str | None, token: str) -> bool:
+    """Whether the header presents `token` (the metrics or admin token), compared in constant time."""
+    key = bearer_key(authorization)
+    return key is not None and hmac.compare_digest(key.encode(), token.encode())
 
 
 def _split_env_entry(entry: str, where: str) -> tuple[str, str]:

@@ -7,7 +7,7 @@ on the settings it began under. Everything is built before anything is swapped: 
 not load, or an [auth] whose key variable is unset, is rejected with the field named and the
 running configuration stays as it was. The other sections (server, metrics, tracing, ui, ...)
 need a restart; a reload names those that changed and leaves them as they run. Observers hear of
-it (`Observer.reloaded`): /ui shows what new requests follow, and the default `model` allow-list
+it (`Observer.configuration_changed`): /ui shows what new requests follow, and the default `model` allow-list
 (the upstreams' patterns) follows the upstreams.
 
 State that outlives a reload: an upstream kept under the same name and base URL keeps its circuit
@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from proxy.control.auth import ClientKeys, HeaderNames, bearer_token, header_names
 from proxy.control.reload_sharing import Peers
-from proxy.core.model_routing import Router
+from proxy.core.model_routing import ModelRouter
 from proxy.settings import RELOADABLE, ConfigError, Settings
 
 log = logging.getLogger("infertap.reload")
@@ -65,7 +65,9 @@ def changed_sections(old: Settings, new: Settings) -> list[str]:
     return [name for name in Settings.model_fields if getattr(old, name) != getattr(new, name)]
 
 
-def carry_state(old: Router, new: Router, circuit_changed: bool, no_stream_options: set[str]) -> None:
+def carry_state(
+    old: ModelRouter, new: ModelRouter, circuit_changed: bool, no_stream_options: set[str]
+) -> None:
     """What a kept upstream knew goes on (breaker, stream_options rejection); a changed one starts anew."""
     before = {up.name: up for up in old.upstreams}
     for up in new.upstreams:
@@ -85,9 +87,9 @@ class Target(Protocol):
     settings: Settings
 
     @property
-    def routing(self) -> Router: ...
+    def routing(self) -> ModelRouter: ...
 
-    def swap(self, settings: Settings, access: Access, router: Router) -> None: ...
+    def swap(self, settings: Settings, access: Access, routing: ModelRouter) -> None: ...
 
     def stream_options_memory(self) -> set[str]: ...
 
@@ -132,11 +134,11 @@ class Reloader:
         settings, applied, restart = merged(self.target.settings, loaded)
         access = Access.from_settings(settings)
         try:
-            router = Router.from_settings(settings)
+            routing = ModelRouter.from_settings(settings)
         except (ValueError, KeyError) as e:
             raise ConfigError(f"invalid configuration (upstreams): {e}") from None
-        carry_state(self.target.routing, router, "circuit" in applied, self.target.stream_options_memory())
-        self.target.swap(settings, access, router)
+        carry_state(self.target.routing, routing, "circuit" in applied, self.target.stream_options_memory())
+        self.target.swap(settings, access, routing)
         if applied or restart:
             log.warning(
                 "configuration reloaded: applied %s%s",

@@ -15,7 +15,7 @@ from typing import Any
 
 from proxy import __version__
 from proxy.core.errors import UpstreamError
-from proxy.core.model_routing import Router, Upstream
+from proxy.core.model_routing import ModelRouter, Upstream
 from proxy.core.seam import UpstreamClient
 
 log = logging.getLogger("infertap.health")
@@ -59,8 +59,8 @@ async def probe_models(
 class UpstreamChecker:
     """Every `interval` seconds, GET /models on each upstream with a short timeout."""
 
-    def __init__(self, router: Router, client: UpstreamClient, interval: float, timeout: float) -> None:
-        self.router = router
+    def __init__(self, routing: ModelRouter, client: UpstreamClient, interval: float, timeout: float) -> None:
+        self.routing = routing
         self.client = client
         self.interval = interval
         self.timeout = timeout
@@ -90,7 +90,7 @@ class UpstreamChecker:
             await asyncio.sleep(self.interval)
 
     async def check_all(self) -> None:
-        ups = self.router.upstreams
+        ups = self.routing.upstreams
         results = await asyncio.gather(*(probe_models(self.client, up, self.timeout, True) for up in ups))
         now = time.time()
         for up, res in zip(ups, results, strict=True):
@@ -110,7 +110,7 @@ class UpstreamChecker:
         """The body of GET /status: per upstream, reachability and circuit state, with reasons."""
         now = time.monotonic()
         rows = []
-        for up in self.router.upstreams:
+        for up in self.routing.upstreams:
             check = self.checks.get(up.name)
             b = up.breaker
             calls, failures = b.counts(now)
@@ -118,7 +118,7 @@ class UpstreamChecker:
                 {
                     "name": up.name,
                     "base_url": up.display_url,
-                    "default": up is self.router.default,
+                    "default": up is self.routing.default,
                     "reachable": None if check is None else check.reachable,
                     "last_check": None if check is None else check.checked_at,
                     "check_status": None if check is None else check.status,

@@ -24,7 +24,7 @@ class ErrorKind(StrEnum):
     IDLE_TIMEOUT = "idle_timeout"
     # The request's own deadline ([timeouts] total), across all its attempts.
     TOTAL_TIMEOUT = "total_timeout"
-    READ_ERROR = "stream_interrupted"
+    STREAM_INTERRUPTED = "stream_interrupted"
     UPSTREAM_429 = "rate_limited"
     UPSTREAM_5XX = "upstream_error"
     # The upstream rejected the stream_options infertap added: asked again at once without it (a
@@ -50,7 +50,7 @@ ERRORS: dict[ErrorKind, KindInfo] = {
     ErrorKind.TTFT_TIMEOUT: KindInfo(Outcome.TTFT_TIMEOUT, 504, True, "ttft", "did not answer in time"),
     ErrorKind.IDLE_TIMEOUT: KindInfo(Outcome.IDLE_TIMEOUT, 504, True, "idle"),
     ErrorKind.TOTAL_TIMEOUT: KindInfo(Outcome.TOTAL_TIMEOUT, 504, False, "total"),
-    ErrorKind.READ_ERROR: KindInfo(Outcome.STREAM_INTERRUPTED, 502, True, None),
+    ErrorKind.STREAM_INTERRUPTED: KindInfo(Outcome.STREAM_INTERRUPTED, 502, True, None),
     ErrorKind.UPSTREAM_429: KindInfo(Outcome.RATE_LIMITED, 429, False, None),
     ErrorKind.UPSTREAM_5XX: KindInfo(Outcome.UPSTREAM_ERROR, 502, True, None),
     ErrorKind.STREAM_OPTIONS: KindInfo(None, 400, False, None),

@@ -76,7 +76,7 @@ class Observer:
     def upstream_health(self, ex: Exchange, upstream: str, up: bool) -> None:
         """An upstream's circuit opened (up=False) or closed again (up=True) during `ex`."""
 
-    def reloaded(self, settings: Settings, fresh_circuits: Collection[str]) -> None:
+    def configuration_changed(self, settings: Settings, fresh_circuits: Collection[str]) -> None:
         """The configuration was reloaded (POST /admin/reload, SIGHUP, or another worker's): new
         requests follow `settings`; `fresh_circuits` names the upstreams whose circuit the reload
         started anew, closed (a new name or base URL, or every one when [circuit] changed). Called
@@ -164,10 +164,10 @@ class ObserverSet:
         for call in self._calls["upstream_health"]:
             call(ex, upstream, up)
 
-    def reloaded(self, settings: Settings, fresh_circuits: Collection[str]) -> None:
+    def configuration_changed(self, settings: Settings, fresh_circuits: Collection[str]) -> None:
         for o in self.observers:
             try:
-                o.reloaded(settings, fresh_circuits)
+                o.configuration_changed(settings, fresh_circuits)
             except Exception:
                 log.exception("observer %s failed to follow the reload; it goes on as it was", o.name)
 

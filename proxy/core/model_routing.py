@@ -1,4 +1,5 @@
-"""Upstreams: the routing table (model -> upstream), retry policy and circuit breaker."""
+"""Model routing: which upstream (and which fallbacks) serve a model, with each upstream's retry policy
+and circuit breaker."""
 
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def base_url_warnings(name: str, base_url: str) -> tuple[str, ...]:
     )
 
 
-class Router:
+class ModelRouter:
     """First upstream whose `models` patterns match wins; the default one catches the rest."""
 
     def __init__(self, upstreams: list[Upstream], default: Upstream) -> None:
@@ -101,7 +102,7 @@ class Router:
         self._plans = {u.name: [u, *(by_name[f] for f in u.fallback)] for u in upstreams}
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Router:
+    def from_settings(cls, settings: Settings) -> ModelRouter:
         ups = [Upstream.from_settings(u, settings) for u in settings.upstreams]
         if not ups:
             raise ValueError("no upstream configured")

@@ -57,7 +57,7 @@ def repetition_score(text: str, ngram: int = 4, min_tokens: int = 40) -> float |
     return (len(grams) - len(set(grams))) / len(grams)
 
 
-class LoopDetector(Observer):
+class RepetitionDetector(Observer):
     """Counts responses whose captured text scores at or above `threshold`.
 
     `on_degenerate(ex, score)` is called once for each such response (the metrics observer's

@@ -30,10 +30,10 @@ _EXCEPTION_KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (aiohttp.SocketTimeoutError, ErrorKind.IDLE_TIMEOUT),
     (aiohttp.ServerTimeoutError, ErrorKind.IDLE_TIMEOUT),
     (aiohttp.ClientConnectorError, ErrorKind.CONNECT_ERROR),
-    (aiohttp.ServerDisconnectedError, ErrorKind.READ_ERROR),
-    (aiohttp.ClientPayloadError, ErrorKind.READ_ERROR),
+    (aiohttp.ServerDisconnectedError, ErrorKind.STREAM_INTERRUPTED),
+    (aiohttp.ClientPayloadError, ErrorKind.STREAM_INTERRUPTED),
     (aiohttp.ClientResponseError, ErrorKind.UPSTREAM_5XX),
-    (aiohttp.ClientConnectionError, ErrorKind.READ_ERROR),
+    (aiohttp.ClientConnectionError, ErrorKind.STREAM_INTERRUPTED),
 )
 
 

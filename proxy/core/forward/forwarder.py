@@ -38,7 +38,7 @@ from proxy.core.forward.lifetime import guarded
 from proxy.core.forward.relay import relay_committed, response_headers, status_outcome, take_facts
 from proxy.core.headers import forwarded_headers
 from proxy.core.hooks import ObserverSet
-from proxy.core.model_routing import Router, Upstream
+from proxy.core.model_routing import ModelRouter, Upstream
 from proxy.core.paths import PathRejected, passthrough_suffix
 from proxy.core.request_ids import RequestIds
 from proxy.core.route_table import OTHER, Route
@@ -52,22 +52,23 @@ log = logging.getLogger("infertap.forward")
 class Forwarder:
     def __init__(
         self,
-        router: Router,
+        routing: ModelRouter,
         client: UpstreamClient,
         observers: ObserverSet,
         max_body_bytes: int,
         prompt_class_bounds: tuple[int, ...] = DEFAULT_PROMPT_CLASS_BOUNDS,
         max_concurrency: int = 0,
         when_all_open: str = "send",
+        request_ids: RequestIds | None = None,
     ) -> None:
-        self.router = router
+        self.routing = routing
         self.attempter = Attempter(client, observers)
         self.observers = observers
         self.max_body_bytes = max_body_bytes
         self.prompt_class_bounds = prompt_class_bounds
         self.max_concurrency = max_concurrency
         self.active = 0
-        self.request_id = RequestIds()
+        self.request_id = request_ids if request_ids is not None else RequestIds()
         self.panic = when_all_open == "send"
         # Request tasks, so that the end of a drain can end them with a visible error.
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -140,8 +141,8 @@ class Forwarder:
         original = body
         if obj is not None:
             fill_record(ex, obj, self.prompt_class_bounds)
-        router = self.router  # this request's: a reload swaps self.router for new requests only
-        upstream = router.route(ex.model)
+        routing = self.routing  # this request's: a reload swaps self.routing for new requests only
+        upstream = routing.route(ex.model)
         ex.upstream = upstream.name
         ex.upstream_url = upstream.display_url
         if obj is not None and ex.stream and route.stream_options:
@@ -149,7 +150,7 @@ class Forwarder:
         if scope.get("query_string"):
             suffix += "?" + scope["query_string"].decode("latin-1")
         call = Call(ex, route, upstream, suffix, forwarded_headers(scope), body, original, rid)
-        call.plan = router.plan(upstream)
+        call.plan = routing.plan(upstream)
         self.observers.request_received(ex)
         await self._guarded(receive, send, call)
 
@@ -167,9 +168,9 @@ class Forwarder:
     ) -> None:
         self.observers.request_received(ex)
         await send_error(send, status, message, kind, code, rid + (extra or []), param)
-        self._end(ex, Outcome.REJECTED, status, message)
+        self.end(ex, Outcome.REJECTED, status, message)
 
-    def _end(
+    def end(
         self, ex: Exchange, outcome: Outcome, status: int | None = None, error: str | None = None
     ) -> None:
         """The one terminal hook of a request."""
@@ -188,12 +189,12 @@ class Forwarder:
         else:
             self.observers.failed(ex)
 
-    # -- the request's lifetime: disconnects, the total deadline, shutdown (proxy.core.forward.lifetime) -----
+    # -- the request's lifetime: disconnects, the total deadline, shutdown (lifetime.py) --------------
     async def _guarded(self, receive: Receive, send: Send, call: Call) -> None:
         await guarded(self, receive, send, call)
 
     # -- attempts, fallback, circuit --------------------------------------------------------
-    async def _exchange(self, send: Send, call: Call, watcher: asyncio.Task[None]) -> None:
+    async def run(self, send: Send, call: Call, watcher: asyncio.Task[None]) -> None:
         ex = call.ex
         plan = call.plan
         now = time.monotonic()
@@ -250,7 +251,7 @@ class Forwarder:
         await send_error(
             send, failure.status, failure.message, failure.kind.value, failure.kind.value, call.rid
         )
-        self._end(ex, outcome_of(failure.kind), failure.status, failure.message)
+        self.end(ex, outcome_of(failure.kind), failure.status, failure.message)
 
     async def _circuit_open(self, send: Send, call: Call, plan: list[Upstream]) -> None:
         now = time.monotonic()
@@ -264,7 +265,7 @@ class Forwarder:
             "circuit_open",
             call.rid + [(b"retry-after", str(max(1, math.ceil(wait))).encode())],
         )
-        self._end(call.ex, Outcome.UPSTREAM_ERROR, 503, msg)
+        self.end(call.ex, Outcome.UPSTREAM_ERROR, 503, msg)
 
     def _health(self, ex: Exchange, up: Upstream, permit: Permit, ok: bool, cause: str) -> None:
         if up.breaker.record(permit, ok, time.monotonic(), None if ok else cause):
@@ -308,20 +309,20 @@ class Forwarder:
             err = self.attempter.client.error(e)
             kind = err.kind
             if kind not in (ErrorKind.IDLE_TIMEOUT, ErrorKind.TTFT_TIMEOUT):
-                kind = ErrorKind.READ_ERROR
+                kind = ErrorKind.STREAM_INTERRUPTED
             msg = f"upstream '{ex.upstream}' failed mid-response: {err}"
             if ready.scanner is not None:
                 facts = ready.scanner.facts
             take_facts(ex, facts)
             if not is_sse:
                 # Ending a plain body early would look complete; an aborted connection does not.
-                self._end(ex, outcome_of(kind), error=msg)
+                self.end(ex, outcome_of(kind), error=msg)
                 return
             watcher.cancel()
             await send(
                 {"type": "http.response.body", "more_body": False, "body": error_event(msg, kind.value)}
             )
-            self._end(ex, outcome_of(kind), error=msg)
+            self.end(ex, outcome_of(kind), error=msg)
             return
         finally:
             # A fully read answer returns its connection to the pool; anything else (a failure,
@@ -333,4 +334,4 @@ class Forwarder:
         take_facts(ex, facts)
         watcher.cancel()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-        self._end(ex, outcome)
+        self.end(ex, outcome)

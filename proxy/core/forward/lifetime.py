@@ -1,6 +1,6 @@
 """A proxied request's lifetime around its attempts: the client's disconnect, the total deadline,
-and shutdown. Whichever comes first ends the request, with its one terminal hook (through the core's
-`_end`) and, where the client can still be told, a visible error: never a silent clean end.
+and shutdown. Whichever comes first ends the request, with its one terminal hook (through the forwarder's
+`end`) and, where the client can still be told, a visible error: never a silent clean end.
 """
 
 from __future__ import annotations
@@ -16,23 +16,24 @@ from proxy.core.exchange import Exchange, Outcome
 from proxy.core.forward.attempts import Call
 from proxy.core.sse import error_event
 
-log = logging.getLogger("infertap.forward")
+log = logging.getLogger("infertap.lifetime")
 
 
-class Core(Protocol):
-    """What the lifetime needs of the forwarder."""
+class Runner(Protocol):
+    """What the lifetime needs of the forwarder: its open requests' tasks, whether it is shutting
+    down, a call's run (attempts, commit and relay) and the request's one end (its terminal hook)."""
 
     tasks: set[asyncio.Task[Any]]
     shutting_down: bool
 
-    async def _exchange(self, send: Send, call: Call, watcher: asyncio.Task[None]) -> None: ...
+    async def run(self, send: Send, call: Call, watcher: asyncio.Task[None]) -> None: ...
 
-    def _end(
+    def end(
         self, ex: Exchange, outcome: Outcome, status: int | None = None, error: str | None = None
     ) -> None: ...
 
 
-async def guarded(core: Core, receive: Receive, send: Send, call: Call) -> None:
+async def guarded(runner: Runner, receive: Receive, send: Send, call: Call) -> None:
     """Runs the exchange while a watcher cancels it the moment the client goes away.
 
     The cancellation reaches whatever is awaited (connect, the wait for headers, a read),
@@ -50,10 +51,10 @@ async def guarded(core: Core, receive: Receive, send: Send, call: Call) -> None:
     ex = call.ex
     watcher = watch_disconnect(receive, left)
     total = call.upstream.total_timeout
-    core.tasks.add(task)
+    runner.tasks.add(task)
     try:
         async with asyncio.timeout(None if total is None else total - (time.perf_counter() - ex.received_at)):
-            await core._exchange(send, call, watcher)
+            await runner.run(send, call, watcher)
     except TimeoutError:
         msg = f"the request took longer than the total timeout of {total} s"
         kind, status, outcome = (
@@ -64,7 +65,7 @@ async def guarded(core: Core, receive: Receive, send: Send, call: Call) -> None:
         if call.committed and not call.committed_sse:
             # A plain body cut short would look complete, and an error event appended to it
             # would corrupt it: the connection is aborted (the app returns unfinished).
-            core._end(ex, outcome, status, msg)
+            runner.end(ex, outcome, status, msg)
             return
         if call.committed:
             watcher.cancel()
@@ -77,31 +78,31 @@ async def guarded(core: Core, receive: Receive, send: Send, call: Call) -> None:
             )
         else:
             await send_error(send, status, msg, kind.value, kind.value, call.rid)
-        core._end(ex, outcome, status, msg)
+        runner.end(ex, outcome, status, msg)
     except asyncio.CancelledError:
         if not gone:
             # Shutting down: infertap's drain deadline (then the request ends here), or the
             # server's own last-resort cancel (then the cancellation goes on up).
-            ours = core.shutting_down
+            ours = runner.shutting_down
             if ours:
                 task.uncancel()
             watcher.cancel()
-            await _shutdown_end(core, send, call)
+            await _shutdown_end(runner, send, call)
             if not ours:
                 raise
             return
         task.uncancel()
-        core._end(ex, Outcome.CLIENT_DISCONNECT, 499, "the client disconnected")
+        runner.end(ex, Outcome.CLIENT_DISCONNECT, 499, "the client disconnected")
     except Exception as e:
         log.exception("request %s failed inside infertap", ex.request_id)
-        core._end(ex, Outcome.UPSTREAM_ERROR, 500, f"internal error: {describe(e)}")
+        runner.end(ex, Outcome.UPSTREAM_ERROR, 500, f"internal error: {describe(e)}")
         raise
     finally:
         watcher.cancel()
-        core.tasks.discard(task)
+        runner.tasks.discard(task)
 
 
-async def _shutdown_end(core: Core, send: Send, call: Call) -> None:
+async def _shutdown_end(runner: Runner, send: Send, call: Call) -> None:
     """A request cut by shutdown: an SSE error event, a 503 before commit, or (a plain body that
     cannot be finished) an aborted connection. Never a silent clean end."""
     msg = "infertap is shutting down: the drain time ran out before this request finished; retry it"
@@ -120,4 +121,4 @@ async def _shutdown_end(core: Core, send: Send, call: Call) -> None:
                 )
     except (TimeoutError, OSError, RuntimeError):
         pass
-    core._end(call.ex, outcome, 503, msg)
+    runner.end(call.ex, outcome, 503, msg)

@@ -254,7 +254,7 @@ class Metrics(Observer):
         self._upstreams: set[str] = set()  # the upstreams configured now
         self._follow(settings, {up.name for up in settings.upstreams})
 
-    def reloaded(self, settings: Settings, fresh_circuits: Collection[str]) -> None:
+    def configuration_changed(self, settings: Settings, fresh_circuits: Collection[str]) -> None:
         # Without [metrics] models the allow-list is the upstreams' patterns, which a reload may
         # change: a new upstream's models get their own label, not `other`. Names admitted before
         # keep theirs (the cap still bounds them).

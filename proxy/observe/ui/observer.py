@@ -80,7 +80,7 @@ class UIObserver(Observer):
         self.config = public_config(settings)
         self.reloaded_at: float | None = None
 
-    def reloaded(self, settings: Settings, fresh_circuits: Collection[str]) -> None:
+    def configuration_changed(self, settings: Settings, fresh_circuits: Collection[str]) -> None:
         # The panel and the upstreams table show what new requests follow; redacted here, once
         # per reload, not per read. Counters and rings stay: they are this worker's history.
         # An upstream whose circuit starts anew is up, whatever its old circuit was.
