@@ -189,7 +189,7 @@ def test_flags_are_validated_and_errors_name_the_flag() -> None:
 
 
 def test_two_bare_upstream_urls_on_one_host_get_distinct_names() -> None:
-    from proxy.server.run import build_parser, resolve_settings
+    from proxy.server.options import build_parser, resolve_settings
 
     args = build_parser().parse_args(
         ["--upstream", "http://127.0.0.1:8000/v1", "--upstream", "http://127.0.0.1:8001/v1"]

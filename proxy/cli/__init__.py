@@ -11,7 +11,7 @@ from proxy import __version__
 
 # name -> (module, one-line summary). Each module has `main(argv: list[str]) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("proxy.server.run", "run the proxy (on an embedded simulated engine when no upstream is set)"),
+    "serve": ("proxy.cli.serve", "run the proxy (on an embedded simulated engine when no upstream is set)"),
     "sim": ("proxy.sim.cli", "run the simulated OpenAI-compatible engine (prefill/decode/KV-cache model)"),
     "probe": ("proxy.tools.probe.cli", "stream requests to a base URL and report TTFT, TPOT and TPS"),
     "compare": ("proxy.tools.probe.compare", "A/B two targets: TTFT and TPOT side by side, with a verdict"),

@@ -337,8 +337,10 @@ class Metrics(Observer):
         outcome = ex.outcome.value if ex.outcome is not None else NONE
         stream = "true" if ex.stream else "false"
         self._c(self.in_flight, routed).dec()
-        if self.overhead_on and ex.upstream_sent_at is not None:
-            self._intake.observe(ex.upstream_sent_at - ex.received_at)
+        if self.overhead_on:
+            intake = ex.intake_overhead
+            if intake is not None:
+                self._intake.observe(intake)
         client = ex.client
         self._c(self.requests, ex.route, model, upstream, stream, outcome, client).inc()
         if ex.attempts:
