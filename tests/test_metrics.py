@@ -331,7 +331,7 @@ def test_exemplars_carry_the_real_trace_id(fake: tuple[FakeUpstream, str]) -> No
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from proxy.observe.tracing.spans import TracingObserver
+    from proxy.observe.tracing import TracingObserver
 
     _, url = fake
     settings = make_settings(("fake", url))

@@ -22,8 +22,8 @@ from starlette.routing import Route
 from proxy.core.exchange import Exchange, Outcome
 from proxy.core.forward.intake import prompt_chars
 from proxy.core.sse import ResponsesScanner, SSEScanner
+from proxy.observe.tracing import TracingObserver
 from proxy.observe.tracing.genai_content import Budget, input_messages
-from proxy.observe.tracing.spans import TracingObserver
 from proxy.settings import TracingSettings
 from proxy.sim.app import create_sim_app
 from proxy.sim.config import SimConfig

@@ -16,8 +16,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from proxy.control.auth import ClientKeys
-from proxy.core.sse import ResponsesScanner, SSEScanner, usage_details
-from proxy.observe.tracing.spans import TracingObserver
+from proxy.core.sse import ResponsesScanner, SSEScanner
+from proxy.core.stream_facts import usage_details
+from proxy.observe.tracing import TracingObserver
 from proxy.settings import AuthSettings, ConfigError, PriceSettings, SpendSettings, load_settings
 from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import RecordingObserver, make_settings, run_proxy, wait_until

@@ -20,7 +20,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from proxy.core.asgi import Receive, Scope, Send
 from proxy.core.exchange import Exchange, Outcome
-from proxy.observe.tracing.spans import TracingObserver, build_tracing, export_config
+from proxy.observe.tracing import TracingObserver, build_tracing, export_config
 from proxy.settings import ConfigError, TracingSettings
 from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import (

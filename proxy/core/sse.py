@@ -10,10 +10,11 @@ any that carries a finish reason).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+from proxy.core.stream_facts import StreamFacts, absorb_response, absorb_responses_event
 
 # An event carries output when a text field holds a non-empty string, or a tool call starts or
 # continues (a `tool_calls` list with an entry: some engines send `"tool_calls": []` with text).
@@ -57,28 +58,6 @@ def _last_boundary(buf: bytes | bytearray, start: int = 0) -> int:
     lf = buf.rfind(b"\n\n", start)
     crlf = buf.rfind(b"\r\n\r\n", start)
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
-
-
-@dataclass(slots=True)
-class StreamFacts:
-    """What the scanner learnt from the events seen so far."""
-
-    done: bool = False
-    usage: dict[str, Any] | None = None
-    response_id: str | None = None
-    response_model: str | None = None
-    finish_reasons: list[str] = field(default_factory=list)
-    error_events: int = 0
-    events: int = 0
-    # An answer (not reasoning) output event has been seen: stops the search for one.
-    answered: bool = False
-    # Output text of the first choice, collected only when capture_chars > 0 (opt-in).
-    capture_chars: int = 0
-    text: list[str] = field(default_factory=list)
-    text_chars: int = 0
-
-    def wants_text(self) -> bool:
-        return self.text_chars < self.capture_chars
 
 
 class SSEScanner:
@@ -259,99 +238,6 @@ def _event_ends(chunk: bytes) -> list[int]:
         ends.append(i + 2)
         i = chunk.find(b"\n\n", i + 2)
     return ends
-
-
-def usage_tokens(usage: dict[str, Any]) -> tuple[object, object]:
-    """(prompt, completion) tokens of a usage object, whichever API's names it uses."""
-    # Chat and text completions name them prompt/completion, the Responses API input/output.
-    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
-    return prompt, usage.get("completion_tokens", usage.get("output_tokens"))
-
-
-def usage_details(usage: dict[str, Any]) -> tuple[object, object]:
-    """(cached prompt, reasoning) tokens of a usage object, None where it does not say."""
-    prompt = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
-    completion = usage.get("completion_tokens_details", usage.get("output_tokens_details"))
-    return (
-        prompt.get("cached_tokens") if isinstance(prompt, dict) else None,
-        completion.get("reasoning_tokens") if isinstance(completion, dict) else None,
-    )
-
-
-def _absorb_identity(facts: StreamFacts, obj: dict[str, Any]) -> None:
-    """The id, model and usage of a chunk, a whole answer or a Responses API `response`."""
-    if facts.response_id is None and isinstance(obj.get("id"), str):
-        facts.response_id = obj["id"]
-    if facts.response_model is None and isinstance(obj.get("model"), str):
-        facts.response_model = obj["model"]
-    usage = obj.get("usage")
-    if isinstance(usage, dict):
-        facts.usage = usage
-
-
-def absorb_response(facts: StreamFacts, obj: dict[str, Any]) -> None:
-    """Take id, model, usage and finish reasons from a chunk or a whole (non-stream) response."""
-    _absorb_identity(facts, obj)
-    if obj.get("object") == "response":  # a whole (non-stream) Responses API answer
-        _absorb_response_object(facts, obj)
-        return
-    choices = obj.get("choices")
-    if isinstance(choices, list):
-        for choice in choices:
-            if isinstance(choice, dict) and isinstance(choice.get("finish_reason"), str):
-                facts.finish_reasons.append(choice["finish_reason"])
-        if facts.wants_text() and choices and isinstance(choices[0], dict):
-            _take_text(facts, choices[0])
-
-
-def absorb_responses_event(facts: StreamFacts, obj: dict[str, Any]) -> None:
-    """Take what a Responses API stream event tells: the response's id, model, usage and end."""
-    kind = obj.get("type")
-    if kind == "error":
-        facts.error_events += 1
-        return
-    response = obj.get("response")
-    if isinstance(response, dict):
-        _absorb_identity(facts, response)
-        if kind in ("response.completed", "response.incomplete"):
-            facts.done = True
-            _absorb_response_object(facts, response, text=False)  # the text came as deltas
-        elif kind == "response.failed":
-            facts.error_events += 1
-    elif kind == "response.output_text.delta" and facts.wants_text():
-        _append_text(facts, obj.get("delta"))
-
-
-def _absorb_response_object(facts: StreamFacts, response: dict[str, Any], text: bool = True) -> None:
-    """Finish reason (and, when captured, the text) of a finished Responses API `response`."""
-    status = response.get("status")
-    if status == "completed":
-        facts.finish_reasons.append("stop")
-    elif status == "incomplete":
-        details = response.get("incomplete_details")
-        reason = details.get("reason") if isinstance(details, dict) else None
-        facts.finish_reasons.append(reason if isinstance(reason, str) else "incomplete")
-    if not (text and facts.wants_text()):
-        return
-    for item in response.get("output") or ():
-        if isinstance(item, dict) and item.get("type") == "message":
-            for part in item.get("content") or ():
-                if isinstance(part, dict) and part.get("type") == "output_text":
-                    _append_text(facts, part.get("text"))
-            return  # the first message only, as the first choice in chat
-
-
-def _take_text(facts: StreamFacts, choice: dict[str, Any]) -> None:
-    """Append the text of a chunk's delta, a message or a completion choice, up to the cap."""
-    holder = choice.get("delta", choice.get("message"))
-    _append_text(facts, holder.get("content") if isinstance(holder, dict) else choice.get("text"))
-
-
-def _append_text(facts: StreamFacts, text: object) -> None:
-    if isinstance(text, str) and text:
-        text = text[: facts.capture_chars - facts.text_chars]
-        facts.text.append(text)
-        facts.text_chars += len(text)
 
 
 def error_event(message: str, kind: str, code: str | None = None) -> bytes:

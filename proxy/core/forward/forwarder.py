@@ -43,7 +43,8 @@ from proxy.core.paths import PathRejected, passthrough_suffix
 from proxy.core.request_ids import RequestIds
 from proxy.core.route_table import OTHER, Route
 from proxy.core.seam import UpstreamClient
-from proxy.core.sse import StreamFacts, error_event
+from proxy.core.sse import error_event
+from proxy.core.stream_facts import StreamFacts
 from proxy.settings import DEFAULT_PROMPT_CLASS_BOUNDS
 
 log = logging.getLogger("infertap.forward")

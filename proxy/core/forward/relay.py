@@ -13,7 +13,8 @@ from proxy.core.forward.attempts import Call, Ready
 from proxy.core.forward.intake import MAX_JSON_CAPTURE
 from proxy.core.headers import DROP_RESPONSE
 from proxy.core.hooks import ObserverSet
-from proxy.core.sse import SSEScanner, StreamFacts, absorb_response, error_event, usage_details, usage_tokens
+from proxy.core.sse import SSEScanner, error_event
+from proxy.core.stream_facts import StreamFacts, absorb_response, usage_details, usage_tokens
 
 # Set on every stream below: the upstream's own copies would be sent twice (sse-starlette sends one).
 _SSE_OWN = frozenset({b"cache-control", b"x-accel-buffering"})

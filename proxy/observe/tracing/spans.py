@@ -1,8 +1,9 @@
-"""OpenTelemetry traces: provider setup and the TracingObserver.
+"""OpenTelemetry traces: the TracingObserver (the export's set-up is export.py's).
 
-The ONLY module that imports opentelemetry (ruff TID251). Tracing is off until an OTLP endpoint
-is set (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_ENDPOINT or `[tracing] endpoint`;
-the OTEL_* variables win); while off, `build_tracing` returns None and no observer exists at all.
+With export.py, the only module that imports opentelemetry (import-linter holds it). Tracing is
+off until an OTLP endpoint is set (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_ENDPOINT
+or `[tracing] endpoint`; the OTEL_* variables win); while off, `build_tracing` returns None and no
+observer exists at all.
 
 Per request, a SERVER span (parent: the caller's W3C `traceparent`) and a CLIENT span per
 upstream attempt whose context goes upstream as `traceparent`, so engine traces join. Export is
@@ -26,19 +27,17 @@ Choices, following the GenAI and HTTP semantic conventions:
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
 from opentelemetry import trace
-from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, OTELResourceDetector, Resource
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import Sampler
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
@@ -48,96 +47,18 @@ from proxy.core.errors import timeout_phase
 from proxy.core.exchange import Exchange, Outcome
 from proxy.core.hooks import Observer
 from proxy.core.route_table import route_of
+from proxy.observe.tracing.export import default_sampler, service_resource
 from proxy.observe.tracing.genai_content import Budget, input_messages
-from proxy.settings import ConfigError, Settings, TracingSettings
+from proxy.settings import TracingSettings
 
 log = logging.getLogger("infertap.tracing")
 
 Attrs = dict[str, AttributeValue]
 
 PROVIDER = "openai"
-PROTOCOLS = ("http/protobuf", "grpc")
 _CALLER_FAULTS = frozenset({Outcome.CLIENT_ERROR, Outcome.REJECTED})
 _MAX_DESCRIPTION = 512
 # Proposed Exchange field: how many characters of the answer the core should collect.
-
-
-# -- setup --------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class ExportConfig:
-    endpoint: str  # the full traces URL for http/protobuf; host:port URL for grpc
-    protocol: str
-
-
-def export_config(ts: TracingSettings, environ: Mapping[str, str] = os.environ) -> ExportConfig | None:
-    """Where spans go, or None when tracing is off. The standard OTEL_* variables win.
-
-    `[tracing] endpoint` is a base URL like OTEL_EXPORTER_OTLP_ENDPOINT (`/v1/traces` is added
-    for http/protobuf unless it is there already). OTEL_SDK_DISABLED=true or
-    OTEL_TRACES_EXPORTER=none turn tracing off.
-    """
-    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return None
-    if environ.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "none":
-        return None
-    signal = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
-    base = (environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or ts.endpoint or "").strip()
-    if not signal and not base:
-        return None
-    protocol = (
-        environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "").strip()
-        or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "").strip()
-        or ts.protocol
-    )
-    if protocol not in PROTOCOLS:
-        raise ConfigError(f"OTLP protocol {protocol!r} is not supported: use one of {', '.join(PROTOCOLS)}")
-    if signal:
-        return ExportConfig(signal, protocol)
-    if protocol == "http/protobuf" and not base.rstrip("/").endswith("/v1/traces"):
-        base = base.rstrip("/") + "/v1/traces"
-    return ExportConfig(base, protocol)
-
-
-def _exporter(cfg: ExportConfig) -> SpanExporter:
-    if cfg.protocol == "grpc":
-        try:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
-                OTLPSpanExporter as GrpcExporter,
-            )
-        except ImportError:
-            raise ConfigError(
-                "OTLP over gRPC needs the package opentelemetry-exporter-otlp-proto-grpc "
-                "(pip install 'infertap[grpc]'), or use protocol http/protobuf"
-            ) from None
-        return GrpcExporter(endpoint=cfg.endpoint)
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    return OTLPSpanExporter(endpoint=cfg.endpoint)
-
-
-def _resource(ts: TracingSettings) -> Resource:
-    # Resource.create() lets our attributes win over OTEL_RESOURCE_ATTRIBUTES; merging the
-    # environment's once more makes it win, as everywhere else.
-    ours = Resource.create({SERVICE_NAME: ts.service_name, SERVICE_VERSION: __version__})
-    return ours.merge(OTELResourceDetector().detect())
-
-
-def _sampler(ts: TracingSettings, environ: Mapping[str, str] = os.environ) -> Sampler | None:
-    if environ.get("OTEL_TRACES_SAMPLER", "").strip():
-        return None  # the SDK reads OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG itself
-    return ParentBased(TraceIdRatioBased(ts.sample_ratio))
-
-
-def build_tracing(settings: Settings) -> TracingObserver | None:
-    """The tracing observer for `settings` and the OTEL_* environment, or None when off."""
-    cfg = export_config(settings.tracing)
-    if cfg is None:
-        return None
-    observer = TracingObserver(settings.tracing, exporter=_exporter(cfg))
-    parts = urlsplit(cfg.endpoint)
-    where = f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path}"
-    log.info("tracing: spans go to %s (%s)", where, cfg.protocol)
-    return observer
 
 
 # -- spans --------------------------------------------------------------------------------------
@@ -250,8 +171,8 @@ class TracingObserver(Observer):
         self.capture_content = settings.capture_content
         self.content_max_chars = settings.content_max_chars
         self.provider = TracerProvider(
-            resource=resource if resource is not None else _resource(settings),
-            sampler=sampler if sampler is not None else _sampler(settings),
+            resource=resource if resource is not None else service_resource(settings),
+            sampler=sampler if sampler is not None else default_sampler(settings),
         )
         self.provider.add_span_processor(processor)
         self._tracer = self.provider.get_tracer("infertap", __version__)

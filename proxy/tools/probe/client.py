@@ -21,7 +21,8 @@ from typing import Any
 
 import httpx
 
-from proxy.core.sse import ResponsesScanner, SSEScanner, usage_tokens
+from proxy.core.sse import ResponsesScanner, SSEScanner
+from proxy.core.stream_facts import usage_tokens
 from proxy.tools.probe.failures import (
     Failure,
     describe_exception,
