@@ -16,7 +16,7 @@ from proxy.app import InfertapApp, create_app
 from proxy.core.circuit import CLOSED, PANIC, Breaker
 from proxy.settings import CircuitSettings, Settings
 from proxy.tools.fake_upstream import FakeUpstream
-from tests.conftest import CHAT, make_settings, run_proxy, serve_in_thread, wait_until
+from tests.conftest import CHAT, RecordingObserver, make_settings, run_proxy, serve_in_thread, wait_until
 from tests.promtext import scrape, value
 
 CLOSED_PORT = "http://127.0.0.1:9/v1"  # nothing listens: connections are refused
@@ -197,3 +197,52 @@ def test_panic_mode_keeps_sending_to_the_only_upstream(fake: tuple[FakeUpstream,
         assert post(proxy).status_code == 200  # no alternative: sent anyway, and it answered
         assert len(upstream.requests) == 3
         assert value(scrape(proxy), "infertap_upstream_up", upstream="fake") == 1  # its success closed it
+
+
+# -- no backoff and no retry when nothing can be tried (issue 23, item 14) --------------------------
+@pytest.mark.parametrize("fallback_open", [False, True], ids=["alone", "fallback-already-open"])
+def test_a_failure_that_opens_the_last_circuit_neither_waits_nor_counts_a_retry(
+    two: tuple[FakeUpstream, str, FakeUpstream, str], fallback_open: bool
+) -> None:
+    """Regression: the request slept its backoff (Retry-After: 30, capped by max_backoff_seconds)
+    and counted a retry, although its own failure had just opened the only circuit left and no
+    attempt followed. Now nothing waits and no retry is counted; the upstream's answer is relayed."""
+    a, ua, b, ub = two
+    settings = _with_fallback(ua, ub, min_calls=1, cooldown_seconds=60, when_all_open="refuse")
+    if not fallback_open:
+        settings.upstreams[0].fallback = []
+    settings.retry.max_attempts = 3
+    settings.retry.max_backoff_seconds = 5
+    rec = RecordingObserver()
+    app = create_app(settings, [rec])
+    with serve_in_thread(app) as proxy:
+        if fallback_open:
+            assert post(proxy, "b-1", **{"x-fake-status": "500"}).status_code == 500  # opens b
+        r = post(
+            proxy,
+            **{"x-request-id": "opens-a", "x-fake-fail-first": "9", "x-fake-retry-after": "30"},
+        )
+        ex = rec.wait_terminal("opens-a")
+        assert r.status_code == 503
+        assert "retry" not in rec.hooks_for("opens-a")
+        assert ex.retries == 0 and ex.attempts == 1
+        assert len(a.requests) == 1
+        assert value(scrape(proxy), "infertap_retries_total") == 0
+
+
+def test_a_failure_that_opens_a_circuit_goes_on_to_an_open_fallback_at_once(
+    two: tuple[FakeUpstream, str, FakeUpstream, str],
+) -> None:
+    """The other side: a fallback that can be tried is tried, at once (no backoff for the upstream
+    whose circuit just opened), and that is one retry."""
+    _, _, b, ub = two
+    settings = _with_fallback(CLOSED_PORT, ub, min_calls=1, cooldown_seconds=60, when_all_open="refuse")
+    settings.retry.max_attempts = 3
+    settings.retry.max_backoff_seconds = 5
+    rec = RecordingObserver()
+    with serve_in_thread(create_app(settings, [rec])) as proxy:
+        r = post(proxy, **{"x-request-id": "to-b"})
+        ex = rec.wait_terminal("to-b")
+    assert r.status_code == 200 and ex.upstream == "b"
+    assert ex.retries == 1 and ex.attempts == 2 and len(b.requests) == 1
+    assert rec.hooks_for("to-b").count("retry") == 1

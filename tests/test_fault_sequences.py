@@ -308,6 +308,14 @@ def _run_example(w: World, steps: list[Any]) -> None:
     for rid in sent:
         assert rec.terminal_count(rid) == 1, (rid, rec.hooks_for(rid))
         assert rec.hooks_for(rid)[0] == "request_received", rid
+        # A retry counted is a retry made: every `retry` hook is followed by another attempt
+        # (a failure that opened the last circuit left must neither wait nor count one).
+        # (Unless the request's own deadline or its client ended it during the backoff.)
+        hooks = rec.hooks_for(rid)
+        cut = str(rec.exchanges[rid].outcome) in ("total_timeout", "client_disconnect")
+        for at, hook in enumerate(hooks):
+            if hook == "retry" and not cut:
+                assert "attempt_started" in hooks[at + 1 :], (rid, rec.exchanges[rid].outcome, hooks)
     # Each answer: the upstream's bytes, or a visible failure.
     for o in outcomes:
         _check_answer(o, rec, w)

@@ -81,6 +81,9 @@ class Exchange:
     retries: int = 0
     status_code: int | None = None
     attempt_started_at: float | None = None
+    # When the latest failed attempt ended: where a retry's backoff began (the retry itself is
+    # reported when the next attempt goes; the tracing observer ends the failed attempt's span here).
+    attempt_failed_at: float | None = None
     first_byte_at: float | None = None
     # infertap's own overhead (infertap_overhead_seconds): when the first attempt's request was
     # written to the upstream's socket, and when the bytes carrying the first output event arrived.

@@ -43,7 +43,10 @@ class Observer:
         pass
 
     def retry(self, ex: Exchange, reason: str, backoff: float) -> None:
-        pass
+        """The previous attempt failed (`reason`, an ErrorKind value) and another goes now, after
+        `backoff` seconds (0: at once, or on to a fallback). Fired as that attempt goes, so a retry
+        that cannot happen (every circuit left open) is never reported; `ex.attempt_failed_at` is
+        when the failed attempt ended."""
 
     def first_byte(self, ex: Exchange) -> None:
         pass

@@ -209,6 +209,11 @@ class Forwarder:
                 return
             usable, panic = list(plan), True  # no healthy alternative left: keep sending
         failure: Failure | None = None
+        # A retry is counted (the `retry` hook) when the next attempt really goes, not when it is
+        # planned: an upstream whose circuit opened meanwhile, or another request's probe, can leave
+        # nothing to try, and a retry counted then would be one that never happened.
+        retry: tuple[str, float] | None = None
+        exhausted = False
         for i, up in enumerate(usable):
             policy = up.retry
             attempt = 0
@@ -217,6 +222,10 @@ class Forwarder:
                 permit = PANIC if panic else up.breaker.acquire(time.monotonic())
                 if permit is None:
                     break  # opened meanwhile, or another request is its probe: on to the fallback
+                if retry is not None:
+                    ex.retries += 1
+                    self.observers.retry(ex, *retry)
+                    retry = None
                 last = i == len(usable) - 1 and attempt == policy.max_attempts
                 try:
                     result = await self.attempter.run(call, up, last)
@@ -233,19 +242,31 @@ class Forwarder:
                     await self._commit(send, call, result, watcher)
                     return
                 failure = result
+                ex.attempt_failed_at = time.perf_counter()
                 if failure.kind is ErrorKind.STREAM_OPTIONS:
                     # infertap's own addition failed, not the upstream: at once, and off the budget
                     # (it happens once per request: the body no longer has it).
                     attempt -= 1
-                    await self._backoff(ex, failure.kind.value, 0.0)
+                    retry = (failure.kind.value, 0.0)
                     continue
                 if last:
                     break
-                if attempt < policy.max_attempts:
+                now = time.monotonic()
+                if attempt < policy.max_attempts and (panic or up.breaker.available(now)):
                     wait = policy.backoff(attempt) if failure.wait is None else failure.wait
-                    await self._backoff(ex, failure.kind.value, min(wait, policy.max_backoff_seconds))
+                    retry = (failure.kind.value, min(wait, policy.max_backoff_seconds))
+                    if retry[1] > 0:
+                        await asyncio.sleep(retry[1])
+                elif panic or any(later.breaker.available(now) for later in usable[i + 1 :]):
+                    retry = (failure.kind.value, 0.0)  # on to the fallback
+                    break
                 else:
-                    await self._backoff(ex, failure.kind.value, 0.0)  # on to the fallback
+                    # Its own failure just opened the last circuit there was: nothing follows, so
+                    # neither a backoff (up to Retry-After's 30 s) nor a retry that never happens.
+                    exhausted = True
+                    break
+            if exhausted:
+                break
         if failure is None:
             await self._circuit_open(send, call, plan)
             return
@@ -280,12 +301,6 @@ class Forwarder:
                     up.breaker.describe(time.monotonic()),
                 )
             self.observers.upstream_health(ex, up.name, now_up)
-
-    async def _backoff(self, ex: Exchange, reason: str, delay: float) -> None:
-        ex.retries += 1
-        self.observers.retry(ex, reason, delay)
-        if delay > 0:
-            await asyncio.sleep(delay)
 
     # -- commit and relay -------------------------------------------------------------------
     async def _commit(self, send: Send, call: Call, ready: Ready, watcher: asyncio.Task[None]) -> None:

@@ -219,7 +219,8 @@ class TracingObserver(Observer):
         st: _State | None = ex.scratch.get(self.name)
         if st is None:
             return
-        now = _wall(ex, time.perf_counter())
+        # The failed attempt ended before the backoff; the hook comes as the next attempt goes.
+        now = _wall(ex, ex.attempt_failed_at if ex.attempt_failed_at is not None else time.perf_counter())
         if st.attempt is not None:
             _fail(st.attempt, reason, f"attempt {ex.attempts} failed: {reason}")
             st.attempt.end(now)
