@@ -17,7 +17,9 @@ def test_every_kind_maps() -> None:
             assert info.outcome.value == kind.value, kind
             assert outcome_of(kind) is info.outcome
         if info.timeout_phase is not None:
-            assert info.status == 504 and kind.value.endswith("_timeout"), kind
+            assert kind.value.endswith("_timeout"), kind
+            # An upstream too slow is a gateway timeout; infertap's own full pool is unavailability.
+            assert info.status == (503 if kind is ErrorKind.POOL_TIMEOUT else 504), kind
 
 
 def test_only_the_stream_options_retry_never_ends_a_request() -> None:
@@ -44,6 +46,7 @@ def test_timeout_phases_by_reason_and_by_outcome() -> None:
         "ttft_timeout": "ttft",
         "idle_timeout": "idle",
         "total_timeout": "total",
+        "pool_timeout": "pool",
     }
     assert timeout_phase(Outcome.TOTAL_TIMEOUT.value) == "total"
     assert timeout_phase(Outcome.OK.value) is None

@@ -7,16 +7,20 @@ each send takes the next step, which fails the send or answers with chunks that 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import httpx
 
 from proxy.app import create_app
 from proxy.core.errors import ErrorKind, UpstreamError
-from proxy.core.seam import Timeouts, UpstreamClient, UpstreamResponse
+from proxy.core.seam import Pool, Timeouts, UpstreamClient, UpstreamResponse
 from proxy.settings import RetrySettings
+from proxy.tools.fake_upstream import FakeUpstream
+from proxy.transport import AiohttpClient
 from tests.conftest import RecordingObserver, make_settings, serve_in_thread
+from tests.promtext import scrape, value
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 EVENTS = [
@@ -71,7 +75,13 @@ class ScriptedClient:
         self.closed = False
 
     async def send(
-        self, method: str, url: str, headers: Mapping[str, str], body: bytes | None, timeouts: Timeouts
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str],
+        body: bytes | None,
+        timeouts: Timeouts,
+        pool: Pool | None = None,
     ) -> UpstreamResponse:
         self.sent.append((method, url, dict(headers), body))
         step = self.steps.popleft()
@@ -137,3 +147,45 @@ def test_every_attempt_failing_ends_with_the_last_kind_and_its_status() -> None:
     assert r.status_code == 504
     assert r.json()["error"]["type"] == "connect_timeout"
     assert rec.exchanges["down"].attempts == 3
+
+
+# -- a pool per upstream (issue 23, item 13) ---------------------------------------------------------
+def test_long_streams_to_one_upstream_never_make_another_wait() -> None:
+    """Regression: one pool with a fixed limit served every upstream, and aiohttp's connect timeout
+    included the wait for a slot: streams to `a` filling the pool made a healthy `b` fail with
+    connect_timeout, counted against b's circuit. Now each upstream has its own pool; waiting past
+    [timeouts] pool is `pool_timeout`, infertap's own queue, never the upstream's fault."""
+    a, b = FakeUpstream(), FakeUpstream()
+    with serve_in_thread(a) as ua, serve_in_thread(b) as ub:
+        settings = make_settings(("a", ua + "/v1"), ("b", ub + "/v1"))
+        settings.upstreams[0].models, settings.upstreams[1].models = ["a-*"], ["b-*"]
+        settings.retry.max_attempts = 1
+        settings.timeouts.connect, settings.timeouts.pool = 1, 0.3
+        settings.circuit.min_calls = 1
+        app = create_app(settings, client=lambda: AiohttpClient(max_connections=2))
+        with serve_in_thread(app) as proxy, httpx.Client(timeout=30) as http, ExitStack() as held:
+            body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+            reading: list[Iterator[bytes]] = []
+            for _ in range(2):  # a's two connections, held open mid-stream
+                r = held.enter_context(
+                    http.stream(
+                        "POST",
+                        f"{proxy}/v1/chat/completions",
+                        json={**body, "model": "a-1"},
+                        headers={"x-fake-hang": "after-first"},
+                    )
+                )
+                assert r.status_code == 200
+                reading.append(r.iter_raw())  # kept: a dropped iterator would close the stream
+                next(reading[-1])
+            ok = http.post(f"{proxy}/v1/chat/completions", json={**body, "model": "b-1", "stream": False})
+            assert ok.status_code == 200, ok.text
+            full = http.post(f"{proxy}/v1/chat/completions", json={**body, "model": "a-1", "stream": False})
+            assert full.status_code == 503
+            err = full.json()["error"]
+            assert err["type"] == "pool_timeout" and "all 2 connections" in err["message"]
+            text = scrape(proxy)
+            assert value(text, "infertap_requests_total", upstream="b", outcome="ok") == 1
+            assert value(text, "infertap_timeouts_total", upstream="a", phase="pool") == 1
+            assert value(text, "infertap_upstream_up", upstream="a") == 1  # not a's fault
+            assert value(text, "infertap_upstream_up", upstream="b") == 1

@@ -315,8 +315,8 @@ def overview() -> dict[str, Any]:
                 [q(f"sum by (outcome) (rate({req}[{RI}]))", "{{outcome}}")],
                 "reqps",
                 "Every request ends with exactly one outcome: ok, client_error, rate_limited, upstream_error, "  # noqa: E501
-                "connect_error, connect_timeout, ttft_timeout, idle_timeout, total_timeout, stream_interrupted, "  # noqa: E501
-                "client_disconnect or rejected.",
+                "connect_error, connect_timeout, ttft_timeout, idle_timeout, total_timeout, pool_timeout, "  # noqa: E501
+                "stream_interrupted, client_disconnect, rejected or shutdown.",
                 stack=True,
             ),
             ts(

@@ -24,6 +24,9 @@ class ErrorKind(StrEnum):
     IDLE_TIMEOUT = "idle_timeout"
     # The request's own deadline ([timeouts] total), across all its attempts.
     TOTAL_TIMEOUT = "total_timeout"
+    # Every connection of the upstream's pool was busy for [timeouts] pool: infertap's own queue,
+    # never the upstream's fault (its circuit does not count it).
+    POOL_TIMEOUT = "pool_timeout"
     STREAM_INTERRUPTED = "stream_interrupted"
     UPSTREAM_429 = "rate_limited"
     UPSTREAM_5XX = "upstream_error"
@@ -50,6 +53,9 @@ ERRORS: dict[ErrorKind, KindInfo] = {
     ErrorKind.TTFT_TIMEOUT: KindInfo(Outcome.TTFT_TIMEOUT, 504, True, "ttft", "did not answer in time"),
     ErrorKind.IDLE_TIMEOUT: KindInfo(Outcome.IDLE_TIMEOUT, 504, True, "idle"),
     ErrorKind.TOTAL_TIMEOUT: KindInfo(Outcome.TOTAL_TIMEOUT, 504, False, "total"),
+    ErrorKind.POOL_TIMEOUT: KindInfo(
+        Outcome.POOL_TIMEOUT, 503, False, "pool", "had no free connection in time (max_connections)"
+    ),
     ErrorKind.STREAM_INTERRUPTED: KindInfo(Outcome.STREAM_INTERRUPTED, 502, True, None),
     ErrorKind.UPSTREAM_429: KindInfo(Outcome.RATE_LIMITED, 429, False, None),
     ErrorKind.UPSTREAM_5XX: KindInfo(Outcome.UPSTREAM_ERROR, 502, True, None),

@@ -26,13 +26,12 @@ class Outcome(StrEnum):
     TTFT_TIMEOUT = "ttft_timeout"
     IDLE_TIMEOUT = "idle_timeout"
     TOTAL_TIMEOUT = "total_timeout"
+    # No free connection to the upstream within [timeouts] pool: its max_connections are all busy.
+    POOL_TIMEOUT = "pool_timeout"
     STREAM_INTERRUPTED = "stream_interrupted"
     CLIENT_DISCONNECT = "client_disconnect"
     REJECTED = "rejected"
     SHUTDOWN = "shutdown"  # still open when the drain after SIGTERM ran out
-
-
-# Written once: the metrics settings' default and the forwarder's take it from here.
 
 
 def prompt_class(tokens: int, bounds: tuple[int, ...] = DEFAULT_PROMPT_CLASS_BOUNDS) -> str:

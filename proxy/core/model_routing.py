@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from proxy.core.circuit import Breaker
-from proxy.core.seam import Timeouts
+from proxy.core.seam import Pool, Timeouts
 from proxy.settings import RetrySettings, Settings, UpstreamSettings, display_url
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
@@ -45,6 +45,7 @@ class Upstream:
     retry: RetryPolicy
     breaker: Breaker
     fallback: list[str] = field(default_factory=list)
+    pool: Pool | None = None
     display_url: str = ""  # base_url without user info or query: safe for logs and errors
     # What looks wrong in this upstream's configuration: logged at start-up, shown on status routes.
     config_warnings: tuple[str, ...] = ()
@@ -69,6 +70,7 @@ class Upstream:
             RetryPolicy.from_settings(s.effective_retry(settings.retry)),
             Breaker.from_settings(settings.circuit),
             list(s.fallback),
+            Pool(s.name, s.max_connections),
         )
 
     def url(self, suffix: str) -> str:

@@ -24,6 +24,16 @@ class Timeouts:
     idle: float  # between two reads
 
 
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """An upstream's own connection pool: at most `limit` requests to it at once (None: the client's
+    default). One pool per upstream, so long streams to one never starve another; waiting for a
+    slot past `Timeouts.pool` is its own failure (ErrorKind.POOL_TIMEOUT), never the upstream's."""
+
+    name: str
+    limit: int | None = None
+
+
 class UpstreamResponse(Protocol):
     """An upstream's answer: status and headers read, the body not yet."""
 
@@ -64,7 +74,13 @@ class UpstreamClient(Protocol):
     errors: tuple[type[BaseException], ...]
 
     async def send(
-        self, method: str, url: str, headers: Mapping[str, str], body: bytes | None, timeouts: Timeouts
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str],
+        body: bytes | None,
+        timeouts: Timeouts,
+        pool: Pool | None = None,
     ) -> UpstreamResponse:
         """Sends the request and waits for status and headers (raises UpstreamError)."""
         ...

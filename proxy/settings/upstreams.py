@@ -27,6 +27,12 @@ class UpstreamSettings(_Section):
     )
     timeouts: dict[str, float | None] = Field(default_factory=dict, description="overrides [timeouts]")
     retry: dict[str, float] = Field(default_factory=dict, description="overrides [retry]")
+    max_connections: int | None = Field(
+        default=None,
+        ge=1,
+        description="requests in flight to this upstream at most (its own connection pool; default "
+        "1000); more wait up to [timeouts] pool, then fail with pool_timeout",
+    )
 
     @field_validator("timeouts")
     @classmethod

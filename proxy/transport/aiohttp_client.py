@@ -15,13 +15,14 @@ its reads and turns what it caught into an UpstreamError with `client.error(exc)
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 
 import aiohttp
 
 from proxy.core.errors import ErrorKind, UpstreamError, describe
-from proxy.core.seam import Timeouts, UpstreamResponse
+from proxy.core.seam import Pool, Timeouts, UpstreamResponse
 
 # Most specific first: aiohttp's exception classes form a hierarchy (its timeouts are also
 # TimeoutErrors, so they must be told apart from infertap's own deadlines before those are).
@@ -72,10 +73,11 @@ class _StampedRequest(aiohttp.ClientRequest):
 
 
 class _Response:
-    __slots__ = ("_r", "status", "headers", "raw_headers", "sent_at")
+    __slots__ = ("_r", "_slot", "status", "headers", "raw_headers", "sent_at")
 
-    def __init__(self, r: aiohttp.ClientResponse) -> None:
+    def __init__(self, r: aiohttp.ClientResponse, slot: asyncio.Semaphore | None) -> None:
         self._r = r
+        self._slot = slot
         self.status = r.status
         self.headers: Mapping[str, str] = r.headers
         self.raw_headers: Sequence[tuple[bytes, bytes]] = r.raw_headers
@@ -93,9 +95,17 @@ class _Response:
 
     def release(self) -> None:
         self._r.release()
+        self._free()
 
     def close(self) -> None:
         self._r.close()
+        self._free()
+
+    def _free(self) -> None:
+        # Once, whichever of release and close comes (both may).
+        if self._slot is not None:
+            self._slot.release()
+            self._slot = None
 
 
 def _error(exc: BaseException) -> UpstreamError:
@@ -105,7 +115,12 @@ def _error(exc: BaseException) -> UpstreamError:
 
 
 class AiohttpClient:
-    """One pooled aiohttp session for all upstreams. Must be created inside the running event loop.
+    """One aiohttp session, with a pool per upstream. Must be created inside the running event loop.
+
+    aiohttp's connector has no limit of its own: each upstream's requests in flight are bounded
+    by its own slots (`Pool`, `max_connections`; `max_connections` here is the default), so long
+    streams to one upstream never make another wait, and the wait for a slot is told apart from
+    connecting (aiohttp's connect timeout would include it, and blame the upstream).
 
     No environment proxies (a stray HTTP_PROXY would buffer streams), no cookies, no
     decompression (bytes are relayed unchanged), no redirects.
@@ -114,8 +129,10 @@ class AiohttpClient:
     errors: tuple[type[BaseException], ...] = (aiohttp.ClientError, UpstreamError)
 
     def __init__(self, max_connections: int = 1000) -> None:
+        self.max_connections = max_connections
+        self._slots: dict[Pool, asyncio.Semaphore] = {}
         connector = aiohttp.TCPConnector(
-            limit=max_connections,
+            limit=0,
             limit_per_host=0,
             # Expire idle connections before a typical server's 5 s keep-alive closes them under us.
             keepalive_timeout=4.0,
@@ -136,13 +153,40 @@ class AiohttpClient:
         native = self._timeouts.get(t)
         if native is None:
             native = self._timeouts[t] = aiohttp.ClientTimeout(
-                total=None, connect=t.connect + t.pool, sock_connect=t.connect, sock_read=t.idle
+                total=None, connect=t.connect, sock_connect=t.connect, sock_read=t.idle
             )
         return native
 
+    async def _slot(self, pool: Pool, timeouts: Timeouts) -> asyncio.Semaphore:
+        slot = self._slots.get(pool)
+        if slot is None:
+            slot = self._slots[pool] = asyncio.Semaphore(pool.limit or self.max_connections)
+        if not slot.locked():
+            await slot.acquire()  # free: at once
+            return slot
+        try:
+            async with asyncio.timeout(timeouts.pool):
+                await slot.acquire()
+        except TimeoutError:
+            limit = pool.limit or self.max_connections
+            raise UpstreamError(
+                ErrorKind.POOL_TIMEOUT,
+                None,
+                f"all {limit} connections to it were busy for {timeouts.pool:g} s "
+                "(raise its max_connections, or [timeouts] pool)",
+            ) from None
+        return slot
+
     async def send(
-        self, method: str, url: str, headers: Mapping[str, str], body: bytes | None, timeouts: Timeouts
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str],
+        body: bytes | None,
+        timeouts: Timeouts,
+        pool: Pool | None = None,
     ) -> UpstreamResponse:
+        slot = await self._slot(pool, timeouts) if pool is not None else None
         try:
             r = await self.session.request(
                 method,
@@ -152,9 +196,13 @@ class AiohttpClient:
                 timeout=self._timeout(timeouts),
                 allow_redirects=False,
             )
-        except aiohttp.ClientError as e:  # its timeouts are TimeoutErrors too: caught here, not as ours
-            raise _error(e) from e
-        return _Response(r)
+        except BaseException as e:
+            if slot is not None:
+                slot.release()
+            if isinstance(e, aiohttp.ClientError):  # its timeouts are TimeoutErrors too: not ours
+                raise _error(e) from e
+            raise
+        return _Response(r, slot)
 
     async def fetch(self, url: str, headers: Mapping[str, str], timeout: float) -> tuple[int, bytes]:
         try:

@@ -110,6 +110,7 @@ class Attempter:
                     self._keyed(ex.upstream_headers, up),
                     call.body or None,
                     up.timeout,
+                    up.pool,
                 )
                 if ex.upstream_sent_at is None:
                     ex.upstream_sent_at = resp.sent_at

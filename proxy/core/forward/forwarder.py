@@ -234,7 +234,7 @@ class Forwarder:
                         self._health(
                             ex, up, permit, status < 500, f"upstream '{up.name}' answered HTTP {status}"
                         )
-                    else:
+                    elif result.kind is not ErrorKind.POOL_TIMEOUT:  # no call went: nothing to judge
                         self._health(ex, up, permit, not ERRORS[result.kind].unhealthy, result.message)
                 finally:
                     up.breaker.release(permit)
