@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from proxy import __version__
 from proxy.api import operator, ops
 from proxy.api.deps import STATE_KEY
+from proxy.api.docs import install_docs
 from proxy.api.errors import install_error_handlers
 from proxy.api.openapi import DESCRIPTION, build_openapi
 from proxy.api.raw_routes import raw_routes
@@ -66,7 +67,7 @@ class InfertapApp(FastAPI):
             version=__version__,
             description=DESCRIPTION,
             lifespan=_lifespan,
-            docs_url="/docs",
+            docs_url=None,  # api/docs.py: the same page, its assets served here, not from a CDN
             redoc_url=None,
             openapi_url="/openapi.json",
         )
@@ -78,6 +79,7 @@ class InfertapApp(FastAPI):
         if runtime.settings.ui.enabled and ui is not None:
             page = UIRoutes(ui, lambda: runtime.access.metrics_token)
             self.router.routes.extend(raw_routes(page.routes()))
+        install_docs(self, "/openapi.json")
         install_error_handlers(self)
 
     def openapi(self) -> dict[str, Any]:

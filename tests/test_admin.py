@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -100,6 +101,24 @@ def test_docs_and_openapi_document_the_operator_api_and_the_proxied_routes(
     assert chat["responses"]["502"]["content"]["application/json"]["schema"]["$ref"].endswith("ErrorResponse")
     assert "/v1/{path}" in paths and "/v1/embeddings" in paths
     assert "UpstreamState" in spec["components"]["schemas"]
+
+
+def test_docs_load_nothing_from_another_host(fake: tuple[FakeUpstream, str]) -> None:
+    """Regression (issue 24, item 19): /docs loaded swagger-ui-dist@5 from a CDN, unpinned and
+    without integrity checks, and showed nothing in an air-gapped cluster. Every asset the page
+    names is infertap's own, and infertap serves it."""
+    _, url = fake
+    with run_proxy(make_settings(("fake", url))) as proxy:
+        page = httpx.get(proxy + "/docs")
+        assert page.status_code == 200
+        refs = re.findall(r"""(?:src|href|url)\s*[:=]\s*['"]([^'"]+)['"]""", page.text)
+        assert len(refs) >= 3, refs  # the script, the stylesheet, the icon (and the OpenAPI URL)
+        for ref in refs:
+            assert ref.startswith("/") and not ref.startswith("//"), f"{ref} is not infertap's own"
+            got = httpx.get(proxy + ref)
+            assert got.status_code == 200 and got.content, ref
+        js = httpx.get(proxy + "/docs/assets/swagger-ui-bundle.js")
+        assert "javascript" in js.headers["content-type"] and len(js.content) > 100_000
 
 
 def test_admin_port_keeps_the_operator_api_off_the_public_port(
