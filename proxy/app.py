@@ -70,6 +70,9 @@ class InfertapApp(FastAPI):
             docs_url=None,  # api/docs.py: the same page, its assets served here, not from a CDN
             redoc_url=None,
             openapi_url="/openapi.json",
+            # A redirect to the slash-less path would be built from the client's Host header (an
+            # open redirect, carrying ?token=): the dispatch answers /metrics/ as /metrics instead.
+            redirect_slashes=False,
         )
         self.runtime = runtime
         self.dispatch = Dispatch(runtime)

@@ -138,3 +138,17 @@ def test_admin_port_keeps_the_operator_api_off_the_public_port(
         r = httpx.get(proxy + "/admin/upstreams", headers=ok)
         assert r.status_code == 404 and f"port {admin_port}" in r.json()["error"]["message"]
         assert httpx.get(proxy + "/healthz").status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/metrics/", "/healthz/", "/readyz//", "/status/", "/openapi.json/"])
+def test_a_trailing_slash_is_answered_never_redirected_to_the_clients_host(
+    fake: tuple[FakeUpstream, str], path: str
+) -> None:
+    """Regression (issue 24, item 11): `GET /metrics/` with `Host: evil.example` answered
+    `location: http://evil.example/metrics`, the query (`?token=`) kept: a redirect built from what
+    the client sent. A trailing slash on an ops route is answered as the route itself."""
+    _, url = fake
+    with run_proxy(make_settings(("fake", url))) as proxy:
+        r = httpx.get(f"{proxy}{path}?token=x", headers={"host": "evil.example"}, follow_redirects=False)
+    assert r.status_code == 200, (r.status_code, r.headers)
+    assert "location" not in r.headers

@@ -28,6 +28,9 @@ class Dispatch:
         path: str = scope["path"]
         if path.startswith("/v1/") and await self._proxied(scope, receive, send, path):
             return True
+        if len(path) > 1 and path.endswith("/"):
+            # /metrics/ is /metrics, answered, never redirected (see InfertapApp: redirect_slashes).
+            scope["path"] = path = path.rstrip("/") or "/"
         admin_port = self.runtime.settings.server.admin_port
         if admin_port and path.startswith("/admin/") and (scope.get("server") or ("", 0))[1] != admin_port:
             msg = f"no route {path} on this port: the operator API is on port {admin_port}"
