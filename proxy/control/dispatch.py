@@ -17,6 +17,10 @@ UNAUTHORIZED = (
     "a valid infertap key is required: send 'Authorization: Bearer <key>' with a key configured in [auth]"
 )
 
+# The ops routes a probe or a person may type with a trailing slash. /ui/ has its own (relative)
+# redirect; anything else with a slash FastAPI does not know is a 404, never a redirect.
+SLASH_TOLERANT = frozenset({"/healthz", "/readyz", "/status", "/metrics", "/openapi.json", "/docs"})
+
 
 class Dispatch:
     def __init__(self, runtime: Runtime) -> None:
@@ -28,9 +32,9 @@ class Dispatch:
         path: str = scope["path"]
         if path.startswith("/v1/") and await self._proxied(scope, receive, send, path):
             return True
-        if len(path) > 1 and path.endswith("/"):
+        if path.endswith("/") and path.rstrip("/") in SLASH_TOLERANT:
             # /metrics/ is /metrics, answered, never redirected (see InfertapApp: redirect_slashes).
-            scope["path"] = path = path.rstrip("/") or "/"
+            scope["path"] = path = path.rstrip("/")
         admin_port = self.runtime.settings.server.admin_port
         if admin_port and path.startswith("/admin/") and (scope.get("server") or ("", 0))[1] != admin_port:
             msg = f"no route {path} on this port: the operator API is on port {admin_port}"
