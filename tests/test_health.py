@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import make_settings, run_proxy, wait_until
+from proxy.core.asgi import Receive, Scope, Send
+from tests.conftest import make_settings, run_proxy, serve_in_thread, wait_until
 
 log = logging.getLogger(__name__)
 
@@ -48,3 +49,46 @@ def test_status_needs_the_metrics_token(black_hole: str, monkeypatch: pytest.Mon
         assert c.get(f"{proxy}/status").status_code == 401
         assert c.get(f"{proxy}/status", headers={"authorization": "Bearer t0ken"}).status_code == 200
         assert c.get(f"{proxy}/readyz").status_code == 200  # probes stay open
+
+
+def test_no_request_infertap_makes_follows_a_redirect() -> None:
+    """Regression (issue 24, item 8): GET /v1/models (any client can trigger it) and the background
+    check followed a 302 to another host, sent it the upstream's configured headers
+    (`X-Custom-Token`) and merged that host's models into the list."""
+    seen: list[dict[str, str]] = []
+
+    async def elsewhere(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        seen.append({k.decode(): v.decode() for k, v in scope["headers"]})
+        body = b'{"object":"list","data":[{"id":"not-yours"}]}'
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    with serve_in_thread(elsewhere) as other:
+
+        async def redirector(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http":
+                return
+            location = f"{other}/v1/models".encode()
+            await send({"type": "http.response.start", "status": 302, "headers": [(b"location", location)]})
+            await send({"type": "http.response.body", "body": b""})
+
+        with serve_in_thread(redirector) as url:
+            settings = make_settings(("up", url + "/v1"))
+            settings.upstreams[0].headers = {"X-Custom-Token": "s3cret-token"}
+            settings.server.upstream_check_interval = 0.05
+            with run_proxy(settings) as proxy:
+                r = httpx.get(proxy + "/v1/models")
+                wait_until(
+                    lambda: httpx.get(proxy + "/status").json()["upstreams"][0]["last_check"] is not None,
+                    what="a background check",
+                )
+    assert "not-yours" not in r.text
+    assert seen == [], seen

@@ -206,8 +206,10 @@ class AiohttpClient:
 
     async def fetch(self, url: str, headers: Mapping[str, str], timeout: float) -> tuple[int, bytes]:
         try:
+            # Never a redirect: it would carry the upstream's headers (its key, custom tokens) to
+            # whatever host the answer names.
             async with self.session.get(
-                url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
+                url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout), allow_redirects=False
             ) as r:
                 return r.status, await r.read()
         except (aiohttp.ClientError, TimeoutError) as e:
