@@ -6,12 +6,17 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import httpx
 import pytest
+from pydantic import ValidationError
 
+from proxy.app import create_app
 from proxy.core.asgi import Receive, Scope, Send
+from proxy.settings import UpstreamSettings
+from proxy.tools.fake_upstream import FakeUpstream
+from proxy.transport import AiohttpClient
 from tests.conftest import make_settings, run_proxy, serve_in_thread, wait_until
 
 log = logging.getLogger(__name__)
@@ -92,3 +97,41 @@ def test_no_request_infertap_makes_follows_a_redirect() -> None:
                 )
     assert "not-yours" not in r.text
     assert seen == [], seen
+
+
+def test_url_credentials_and_a_key_variable_are_refused_at_load() -> None:
+    """Regression (issue 24, item 17): both passed validation, then every request to that upstream
+    was a 500 (the HTTP client refuses to combine them)."""
+    with pytest.raises(ValidationError, match="credentials"):
+        UpstreamSettings(name="x", base_url="https://user:pw@example.test/v1", api_key_env="SOME_KEY")
+    UpstreamSettings(name="x", base_url="https://user:pw@example.test/v1")  # one of them: fine
+    UpstreamSettings(name="x", base_url="https://example.test/v1", api_key_env="SOME_KEY")
+
+
+class _BrokenFor(AiohttpClient):
+    """A client whose model-list fetch fails, for one upstream, with what no check expects."""
+
+    async def fetch(self, url: str, headers: Mapping[str, str], timeout: float) -> tuple[int, bytes]:
+        if ":9/" in url:
+            raise ValueError("unexpected")
+        return await super().fetch(url, headers, timeout)
+
+
+def test_one_upstreams_failed_check_never_stops_the_others(fake: tuple[FakeUpstream, str]) -> None:
+    """Regression (issue 24, item 17): an unexpected error in one upstream's check aborted every
+    upstream's check (/status showed the others as unknown, a traceback every interval)."""
+    _, url = fake
+    settings = make_settings(("odd", "http://127.0.0.1:9/v1"), ("good", url))
+    settings.server.upstream_check_interval = 0.05
+    with serve_in_thread(create_app(settings, client=_BrokenFor)) as proxy:
+
+        def checked() -> bool:
+            rows = httpx.get(proxy + "/status").json()["upstreams"]
+            return all(row["last_check"] is not None for row in rows)
+
+        wait_until(checked, what="every upstream's check")
+        rows = {row["name"]: row for row in httpx.get(proxy + "/status").json()["upstreams"]}
+        models = httpx.get(proxy + "/v1/models")
+    assert rows["good"]["reachable"] is True
+    assert rows["odd"]["reachable"] is False and "unexpectedly" in rows["odd"]["check_error"]
+    assert models.status_code == 200 and models.json()["data"]

@@ -96,11 +96,17 @@ async def metrics(request: Request, runtime: RuntimeDep) -> Response:
 )
 async def models(runtime: RuntimeDep) -> Response:
     ups = runtime.routing.upstreams
-    results = await asyncio.gather(*(probe_models(runtime.client, u, PROBE_TIMEOUT) for u in ups))
+    results = await asyncio.gather(
+        *(probe_models(runtime.client, u, PROBE_TIMEOUT) for u in ups), return_exceptions=True
+    )
     data: list[dict[str, Any]] = []
     seen: set[Any] = set()
     failures: list[str] = []
     for up, res in zip(ups, results, strict=True):
+        if isinstance(res, BaseException) and not isinstance(res, UpstreamError):
+            log.error("upstream %s: its model list failed unexpectedly: %s", up.name, type(res).__name__)
+            failures.append(f"{up.name}: the request failed unexpectedly (see infertap's log)")
+            continue
         if isinstance(res, UpstreamError) or res.status != 200:
             failures.append(f"{up.name}: {res if isinstance(res, UpstreamError) else f'HTTP {res.status}'}")
             continue

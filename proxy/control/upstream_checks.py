@@ -91,11 +91,18 @@ class UpstreamChecker:
 
     async def check_all(self) -> None:
         ups = self.routing.upstreams
-        results = await asyncio.gather(*(probe_models(self.client, up, self.timeout, True) for up in ups))
+        # return_exceptions: one upstream's check failing in an unexpected way (a bug, a client
+        # library's refusal) must not cost every other upstream its check.
+        results = await asyncio.gather(
+            *(probe_models(self.client, up, self.timeout, True) for up in ups), return_exceptions=True
+        )
         now = time.time()
         for up, res in zip(ups, results, strict=True):
-            if isinstance(res, Exception):
+            if isinstance(res, UpstreamError):
                 check = Check(False, now, error=str(res))
+            elif isinstance(res, BaseException):
+                log.error("upstream %s: its check failed unexpectedly: %s", up.name, type(res).__name__)
+                check = Check(False, now, error="the check failed unexpectedly (see infertap's log)")
             else:
                 # Any HTTP answer means it is there; the status says whether it is happy.
                 check = Check(True, now, res.status, None if res.status == 200 else f"HTTP {res.status}")

@@ -78,6 +78,15 @@ class UpstreamSettings(_Section):
         return v
 
     @model_validator(mode="after")
+    def _one_credential(self) -> Self:
+        # Both would be sent, and the HTTP client refuses to combine them: every request a 500.
+        if self.api_key_env and urlsplit(self.base_url).username is not None:
+            raise ValueError(
+                "base_url carries credentials (user:password@) and api_key_env is set: use one of them"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _taotoken_key(self) -> Self:
         # TaoToken's one documented key variable, so `--upstream https://taotoken.net/api` just works.
         if self.api_key_env is None and urlsplit(self.base_url).hostname == TAOTOKEN_HOST:
