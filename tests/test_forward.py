@@ -366,3 +366,14 @@ def test_every_response_carries_a_request_id(fake: tuple[FakeUpstream, str]) -> 
         assert len({r.headers["x-request-id"] for r in answers.values()}) == len(answers)
         given = c.get(f"{proxy}/healthz", headers={"x-request-id": "mine-1"})
         assert given.headers.get_list("x-request-id") == ["mine-1"]
+
+
+@pytest.mark.parametrize("method", ["TRACE", "TRACK", "trace"])
+def test_trace_is_never_relayed(fake: tuple[FakeUpstream, str], method: str) -> None:
+    """Regression (issue 24, item 9): TRACE was passed through, and an upstream that echoes requests
+    returned the upstream key to the client."""
+    upstream, url = fake
+    with run_proxy(make_settings(("fake", url))) as proxy:
+        r = httpx.request(method, f"{proxy}/v1/files/x")
+    assert r.status_code in (400, 405), r.status_code  # a lower-case method is not an HTTP method
+    assert upstream.requests == []

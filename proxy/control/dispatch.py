@@ -21,6 +21,10 @@ UNAUTHORIZED = (
 # redirect; anything else with a slash FastAPI does not know is a 404, never a redirect.
 SLASH_TOLERANT = frozenset({"/healthz", "/readyz", "/status", "/metrics", "/openapi.json", "/docs"})
 
+# Methods no OpenAI route has, and a passthrough must not carry: TRACE (and TRACK) echo the request,
+# the upstream's key included; CONNECT would open a tunnel.
+NEVER_RELAYED = frozenset({"TRACE", "TRACK", "CONNECT"})
+
 
 class Dispatch:
     def __init__(self, runtime: Runtime) -> None:
@@ -74,6 +78,15 @@ class Dispatch:
         if route is None:
             if path == "/v1/models" and method == "GET":
                 return False  # FastAPI's (proxy/api/ops.py)
+            if method in NEVER_RELAYED:
+                await send_error(
+                    self.stamped(scope, send),
+                    405,
+                    f"infertap never relays {method}: an upstream that echoes a request would echo its key",
+                    "invalid_request_error",
+                    "method_not_allowed",
+                )
+                return True
             route = OTHER
         scope["infertap.client"] = client  # the bounded name, read by the forwarder into the Exchange
         await self.runtime.forwarder.handle(scope, receive, send, route)
