@@ -36,7 +36,7 @@ def serve_in_thread(app: Any) -> Iterator[str]:
         log_level="warning",
         lifespan="on",
         loop="asyncio",
-        http="httptools",
+        http="proxy.server.edge:EdgeProtocol",  # as `infertap serve` runs it, with the edge's limits
         access_log=False,
         proxy_headers=False,  # as `infertap serve` runs it: the client address is the peer's
         timeout_graceful_shutdown=2,

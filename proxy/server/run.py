@@ -28,7 +28,7 @@ def run(settings: Settings, argv: list[str] | None = None) -> None:
         access_log=False,
         lifespan="on",
         loop="uvloop",
-        http="httptools",
+        http="proxy.server.edge:EdgeProtocol",
         server_header=False,
         # No X-Forwarded-* rewriting: infertap does not use the client address, and the middleware
         # is one more layer on every request.

@@ -39,6 +39,22 @@ class ServerSettings(_Section):
     workers: int = Field(default=1, ge=1, le=256)
     max_body_bytes: int = Field(default=10 * 1024 * 1024, gt=0, description="larger bodies get 413")
     max_concurrency: int = Field(default=0, ge=0, description="requests at once per worker; 0 = no cap")
+    # The edge (proxy/server/edge.py): limits on what a client sends before any key is checked.
+    max_head_bytes: int = Field(
+        default=64 * 1024, ge=1024, description="request line and headers, in all; larger: 431"
+    )
+    max_headers: int = Field(default=100, ge=10, description="headers per request; more: 431")
+    max_header_line_bytes: int = Field(
+        default=16 * 1024, ge=256, description="the request line, or one header's name and value; longer: 431"
+    )
+    head_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        description="seconds for a request's head to arrive, from its first byte; then 408",
+    )
+    max_connections: int = Field(
+        default=8192, ge=1, description="open client connections per worker; one more is answered 503"
+    )
     log_level: str = "info"
     drain_timeout: float = Field(
         default=30.0, gt=0, description="after SIGTERM, how long streams in flight may take to finish"

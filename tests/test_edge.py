@@ -1,0 +1,229 @@
+"""The edge (proxy/server/edge.py): limits on a request's head, a deadline for it, a cap on connections,
+and 100-continue answered at the edge; all before any key is checked (issue 24, items 1-3)."""
+
+from __future__ import annotations
+
+import inspect
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from proxy.app import create_app
+from proxy.server.edge import EdgeProtocol
+from proxy.settings import AuthSettings, Settings
+from proxy.tools.fake_upstream import FakeUpstream
+from tests.conftest import CHAT, make_settings, serve_in_thread
+
+KEYS_ENV = "INFERTAP_TEST_EDGE_KEYS"
+
+
+@contextmanager
+def proxy(url: str, **server: Any) -> Iterator[tuple[str, int]]:
+    """infertap with client keys on (nothing below may reach them) and these [server] limits."""
+    settings = make_settings(("fake", url))
+    settings.server = settings.server.model_copy(update=server)
+    settings.auth = AuthSettings(keys_env=KEYS_ENV)
+    with serve_in_thread(create_app(settings)) as base:
+        yield base, int(base.rsplit(":", 1)[1])
+
+
+@pytest.fixture(autouse=True)
+def client_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KEYS_ENV, "sk-edge-test")
+
+
+def exchange(port: int, data: bytes, timeout: float = 10) -> bytes:
+    """Send `data`, then read until the server closes (or `timeout`, which fails the test)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        try:
+            s.sendall(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused mid-send: what it answered is still there to read
+        out = b""
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except ConnectionResetError:
+                break
+            if not chunk:
+                return out
+            out += chunk
+    return out
+
+
+def head(lines: list[bytes], path: bytes = b"/v1/chat/completions") -> bytes:
+    return (
+        b"POST " + path + b" HTTP/1.1\r\nhost: x\r\n" + b"".join(line + b"\r\n" for line in lines) + b"\r\n"
+    )
+
+
+def test_a_huge_header_line_is_refused_before_it_is_all_read(fake: tuple[FakeUpstream, str]) -> None:
+    """Regression: one header line of 200 MB, sent with no key, took 389 MB and 41 s of CPU; a 1 MB
+    header was forwarded upstream."""
+    upstream, url = fake
+    with proxy(url) as (base, port):
+        answer = exchange(port, head([b"x-big: " + b"a" * 300_000]))
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+        assert b"connection: close" in answer and b'"code":"request_header_fields_too_large"' in answer
+        assert httpx.get(base + "/healthz").status_code == 200
+    assert upstream.requests == []
+
+
+@pytest.mark.parametrize(
+    ("lines", "path", "why"),
+    [
+        ([b"x-h%d: v" % i for i in range(150)], b"/v1/chat/completions", b"more than 100 headers"),
+        ([b"x-line: " + b"a" * 20_000], b"/v1/chat/completions", b"a header line is longer"),
+        ([], b"/v1/" + b"a" * 20_000, b"the request line is longer"),
+        ([b"x-h%d: " % i + b"b" * 1000 for i in range(90)], b"/v1/chat/completions", b"head is larger"),
+    ],
+    ids=["count", "line", "url", "total"],
+)
+def test_each_head_limit_answers_431(
+    fake: tuple[FakeUpstream, str], lines: list[bytes], path: bytes, why: bytes
+) -> None:
+    upstream, url = fake
+    with proxy(url) as (_, port):
+        answer = exchange(port, head(lines, path))
+    assert answer.startswith(b"HTTP/1.1 431 ") and why in answer, answer[:300]
+    assert upstream.requests == []
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(min_value=0, max_value=140),
+    size=st.integers(min_value=0, max_value=1500),
+    split=st.integers(min_value=1, max_value=4096),
+)
+def test_any_head_within_the_limits_passes_and_any_beyond_is_refused(n: int, size: int, split: int) -> None:
+    """The class: heads of random header counts and sizes, sent in random pieces. Within every limit
+    the request reaches the key check (401: no key sent); beyond one, 431. Never anything else."""
+    lines = [b"x-h%d: " % i + b"v" * size for i in range(n)]
+    data = head(lines)
+    total = len(data) - 2  # the head without its final empty line, as counted
+    beyond = n + 1 > 100 or size + 6 > 16 * 1024 or total > 64 * 1024  # `host` counts too
+    with serve_in_thread(_APP_HOLDER.app()) as base:
+        port = int(base.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            try:
+                for i in range(0, len(data), split):
+                    s.sendall(data[i : i + split])
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                answer += chunk
+    status = answer[9:12]
+    assert status == (b"431" if beyond else b"401"), (n, size, answer[:200])
+
+
+class _AppHolder:
+    """One app for the randomized test's examples (hypothesis and fixtures do not mix)."""
+
+    _settings: Settings | None = None
+
+    def app(self) -> Any:
+        if self._settings is None:
+            self._settings = make_settings(("closed", "http://127.0.0.1:9/v1"))
+            self._settings.auth = AuthSettings(keys_env=KEYS_ENV)
+        return create_app(self._settings)
+
+
+_APP_HOLDER = _AppHolder()
+
+
+def test_a_slow_head_gets_408_within_its_deadline(fake: tuple[FakeUpstream, str]) -> None:
+    """Regression: 50 slowloris connections and 50 silent ones were all still open after 140 s."""
+    _, url = fake
+    with proxy(url, head_timeout=0.3) as (_, port):
+        slow = exchange(port, b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-a: 1\r\n")
+        silent = exchange(port, b"")
+    assert slow.startswith(b"HTTP/1.1 408 ") and b'"code":"request_timeout"' in slow
+    assert silent.startswith(b"HTTP/1.1 408 ")
+
+
+def test_a_kept_alive_connections_next_head_has_its_own_deadline(fake: tuple[FakeUpstream, str]) -> None:
+    _, url = fake
+    with proxy(url, head_timeout=0.3) as (_, port):
+        first = b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n"
+        answer = exchange(port, first + b"GET /healthz HTTP/1.1\r\nhost: x\r\n")
+    assert answer.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 408 " in answer
+
+
+def test_connections_beyond_the_cap_are_refused_at_once(fake: tuple[FakeUpstream, str]) -> None:
+    _, url = fake
+    with proxy(url, max_connections=3, head_timeout=30) as (base, port):
+        held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
+        try:
+            answer = exchange(port, b"")
+            assert answer.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in answer
+        finally:
+            for s in held:
+                s.close()
+        httpx_ok = httpx.get(base + "/healthz")  # the held ones gone: answered again
+    assert httpx_ok.status_code == 200
+
+
+def test_expect_100_continue_is_answered_at_the_edge_and_never_forwarded(
+    fake: tuple[FakeUpstream, str],
+) -> None:
+    """Regression: `Expect: 100-continue` went upstream, and an upstream that does not answer 100
+    held the request for 619 s although the idle timeout was 8 s."""
+    upstream, url = fake
+    body = httpx.Request("POST", "http://x", json=CHAT).content
+    with proxy(url) as (_, port), socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(
+            head(
+                [
+                    b"authorization: Bearer sk-edge-test",
+                    b"content-type: application/json",
+                    b"content-length: %d" % len(body),
+                    b"expect: 100-continue",
+                ]
+            )
+        )
+        interim = s.recv(65536)
+        assert interim.startswith(b"HTTP/1.1 100 Continue"), interim
+        s.sendall(body)
+        answer = b""
+        while b"chat.completion" not in answer:
+            chunk = s.recv(65536)
+            assert chunk, answer
+            answer += chunk
+    assert b"HTTP/1.1 200 " in answer
+    assert "expect" not in {k.lower() for k in upstream.requests[-1].headers}
+
+
+def test_the_uvicorn_internals_the_edge_builds_on() -> None:
+    """uvicorn is pinned to the minor version tested; this fails loudly if what the edge overrides
+    or reads changes shape."""
+    assert uvicorn.__version__.startswith("0.55.")
+    for name in (
+        "connection_made",
+        "connection_lost",
+        "data_received",
+        "on_message_begin",
+        "on_url",
+        "on_header",
+        "on_headers_complete",
+        "send_400_response",
+    ):
+        assert name in HttpToolsProtocol.__dict__, name
+        assert (
+            inspect.signature(getattr(EdgeProtocol, name)).parameters.keys()
+            == inspect.signature(getattr(HttpToolsProtocol, name)).parameters.keys()
+        ), name
+    source = inspect.getsource(HttpToolsProtocol)
+    for attribute in ("self.url", "self.connections", "self.transport", "self.loop", "self.app"):
+        assert attribute in source, attribute
