@@ -75,7 +75,7 @@ class InfertapApp(FastAPI):
             redirect_slashes=False,
         )
         self.runtime = runtime
-        self.dispatch = Dispatch(runtime)
+        self.dispatch = Dispatch(runtime, super().__call__)
         setattr(self.state, STATE_KEY, runtime)
         self.include_router(ops.router)
         self.include_router(operator.router)
@@ -90,9 +90,8 @@ class InfertapApp(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            if await self.dispatch(scope, receive, send):
-                return
-            send = self.dispatch.stamped(scope, send)
+            await self.dispatch(scope, receive, send)  # FastAPI's requests go on from there
+            return
         await super().__call__(scope, receive, send)
 
     # The running proxy's, for callers that hold the app (tests, tools, `infertap serve`).

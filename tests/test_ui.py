@@ -184,12 +184,14 @@ def test_no_prompt_text_and_no_secret_in_ui_data(
     host = url.removeprefix("http://")
     up = UpstreamSettings(
         name="fake",
-        base_url=f"http://user:pw-secret-3@{host}",
+        base_url=url,
         api_key_env="UI_TEST_UPSTREAM_KEY",
         headers={"x-extra-token": "header-secret-4", "x-team": "header-secret-5"},
     )
+    # Credentials in a URL and a key variable may not be combined (refused at load): a second one.
+    basic = UpstreamSettings(name="basic", base_url=f"http://user:pw-secret-3@{host}", models=["basic-*"])
     settings = Settings(
-        upstreams=[up],
+        upstreams=[up, basic],
         auth=AuthSettings(metrics_token_env="UI_TEST_METRICS_TOKEN"),
         timeouts=TimeoutSettings(idle=0.3),
     )
@@ -205,9 +207,11 @@ def test_no_prompt_text_and_no_secret_in_ui_data(
     for secret in ("header-secret-4", "header-secret-5", "tok0"):
         assert secret not in raw, secret
     # Names of what holds secrets are shown; the values never.
-    (row,) = data["upstreams"]
+    rows = {r["name"]: r for r in data["upstreams"]}
+    row = rows["fake"]
     assert row["api_key_env"] == "UI_TEST_UPSTREAM_KEY" and row["api_key_set"] is True
     assert row["base_url"] == url and row["state"] == "up"
+    assert rows["basic"]["base_url"] == url
     config = data["config"]
     assert config["upstreams"][0]["api_key_env"] == "UI_TEST_UPSTREAM_KEY"
     assert config["upstreams"][0]["headers"] == {"x-extra-token": "(hidden)", "x-team": "(hidden)"}

@@ -197,3 +197,29 @@ class Exchange:
     def estimated_prompt_tokens(self) -> int:
         """Prompt size at arrival, before the upstream reports usage: ~4 characters a token."""
         return (self.prompt_chars + 3) // 4
+
+
+@dataclass(slots=True, eq=False)
+class LocalAnswer:
+    """A request infertap answered itself, without the forwarder: refused before it was read (a
+    wrong or missing client key, a wrong method, the operator API on the wrong port) or served
+    by one of its own routes (/v1/models, the probes, /metrics, /ui, /docs, /admin/*, an unknown
+    path's 404). It has no Exchange: nothing of it is measured but its status and duration."""
+
+    request_id: str
+    method: str
+    # A closed vocabulary (proxy/control/dispatch.py, route_class): a proxied route's label for a
+    # refused OpenAI request, else models, healthz, readyz, metrics, status, ui, docs, admin, unknown.
+    route: str
+    received_at: float = field(default_factory=time.perf_counter)
+    started_unix_ns: int = field(default_factory=time.time_ns)
+    status: int = 0
+    finished_at: float | None = None
+    # The bounded client name of a /v1/ request past the key check (a 405, GET /v1/models); else None.
+    client: str | None = None
+
+    @property
+    def duration(self) -> float | None:
+        if self.finished_at is None:
+            return None
+        return self.finished_at - self.received_at

@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
-from proxy.core.exchange import Exchange
+from proxy.core.exchange import Exchange, LocalAnswer
 
 if TYPE_CHECKING:
     from proxy.settings import Settings
@@ -28,6 +28,7 @@ HOOKS = (
     "client_disconnected",
     "ended",
     "upstream_health",
+    "answered",
 )
 
 
@@ -78,6 +79,10 @@ class Observer:
 
     def upstream_health(self, ex: Exchange, upstream: str, up: bool) -> None:
         """An upstream's circuit opened (up=False) or closed again (up=True) during `ex`."""
+
+    def answered(self, answer: LocalAnswer) -> None:
+        """A request that infertap answered itself (refused before it was read, or one of its own
+        routes): it gets this one hook and no other, as its last byte goes out."""
 
     def configuration_changed(self, settings: Settings, fresh_circuits: Collection[str]) -> None:
         """The configuration was reloaded (POST /admin/reload, SIGHUP, or another worker's): new
@@ -166,6 +171,10 @@ class ObserverSet:
     def upstream_health(self, ex: Exchange, upstream: str, up: bool) -> None:
         for call in self._calls["upstream_health"]:
             call(ex, upstream, up)
+
+    def answered(self, answer: LocalAnswer) -> None:
+        for call in self._calls["answered"]:
+            call(answer)
 
     def configuration_changed(self, settings: Settings, fresh_circuits: Collection[str]) -> None:
         for o in self.observers:

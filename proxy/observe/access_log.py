@@ -1,4 +1,10 @@
-"""The access log: one structured line per finished request, never prompt text, never a key."""
+"""The access log: one structured line per request, never prompt text, never a key.
+
+A forwarded request's line comes from its Exchange; a request infertap answered itself (refused
+before it was read, or one of its own routes) has the same fields, most of them null. Successful
+probes and scrapes (/healthz, /readyz, /metrics, the /ui page's polling) come every few seconds:
+their lines are DEBUG, so they show only with `--log-level debug`; everything else is INFO.
+"""
 
 from __future__ import annotations
 
@@ -8,22 +14,30 @@ from typing import Any
 
 import orjson
 
-from proxy.core.exchange import Exchange
+from proxy.core.exchange import Exchange, LocalAnswer
 from proxy.core.hooks import Observer
 from proxy.core.route_table import route_of
 
 log = logging.getLogger("infertap.access")
 
 
+# Answered every few seconds by design: DEBUG when they succeed.
+QUIET_ROUTES = frozenset({"healthz", "readyz", "metrics", "ui"})
+
+
 def _r(value: float | None) -> float | None:
     return None if value is None else round(value, 6)
+
+
+def _ts(unix_ns: int) -> str:
+    second = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(unix_ns / 1e9))
+    return f"{second}.{unix_ns // 1_000_000 % 1000:03d}Z"
 
 
 def access_record(ex: Exchange) -> dict[str, Any]:
     """The line's fields, straight from the Exchange, so they equal what the metrics observed."""
     return {
-        "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ex.started_unix_ns / 1e9))
-        + f".{ex.started_unix_ns // 1_000_000 % 1000:03d}Z",
+        "ts": _ts(ex.started_unix_ns),
         "request_id": ex.request_id,
         "method": ex.method,
         "route": ex.route,
@@ -52,6 +66,25 @@ def access_record(ex: Exchange) -> dict[str, Any]:
     }
 
 
+def local_record(answer: LocalAnswer) -> dict[str, Any]:
+    """The same fields for a request infertap answered itself: what it knows of one is its route,
+    status, client (for a /v1/ request past the key check) and duration."""
+    record = dict.fromkeys(_FIELDS)
+    record.update(
+        ts=_ts(answer.started_unix_ns),
+        request_id=answer.request_id,
+        method=answer.method,
+        route=answer.route,
+        status=answer.status,
+        client=answer.client,
+        duration_s=_r(answer.duration),
+    )
+    return record
+
+
+_FIELDS = tuple(access_record(Exchange("", "", "", "")))
+
+
 def _logfmt_value(v: Any) -> str:
     if v is None:
         return ""
@@ -71,11 +104,16 @@ class AccessLog(Observer):
         self.logger = logger
 
     def ended(self, ex: Exchange) -> None:
-        if not self.logger.isEnabledFor(logging.INFO):
-            return
-        record = access_record(ex)
+        if self.logger.isEnabledFor(logging.INFO):
+            self.logger.info(self._line(access_record(ex)))
+
+    def answered(self, answer: LocalAnswer) -> None:
+        quiet = answer.route in QUIET_ROUTES and answer.status < 400
+        level = logging.DEBUG if quiet else logging.INFO
+        if self.logger.isEnabledFor(level):
+            self.logger.log(level, self._line(local_record(answer)))
+
+    def _line(self, record: dict[str, Any]) -> str:
         if self.fmt == "json":
-            line = orjson.dumps(record).decode()
-        else:
-            line = " ".join(f"{k}={_logfmt_value(v)}" for k, v in record.items() if v is not None)
-        self.logger.info(line)
+            return orjson.dumps(record).decode()
+        return " ".join(f"{k}={_logfmt_value(v)}" for k, v in record.items() if v is not None)

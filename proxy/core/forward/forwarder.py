@@ -129,6 +129,10 @@ class Forwarder:
         try:
             body = await read_body(receive, self.max_body_bytes)
         except ClientGone:
+            # Counted and logged like any request: it reached infertap, and its client left.
+            self.observers.request_received(ex)
+            msg = "the client disconnected before its request was complete"
+            self.end(ex, Outcome.CLIENT_DISCONNECT, 499, msg)
             return
         except BodyTooLarge:
             msg = f"the request body is larger than the limit of {self.max_body_bytes} bytes"

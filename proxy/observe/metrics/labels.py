@@ -1,6 +1,10 @@
 """Bounded label values (`model`, and `client` from a trusted header): an acceptance test and a cap
 on distinct values, held across worker processes.
 
+The cap bounds how many names get a label; MAX_LABEL_CHARS and the printable test bound each one:
+a name over 256 characters, or with a control character, is OTHER before it is looked up, counted
+or shared, so what a client sends can neither make a line of /metrics long nor grow the shared file.
+
 With `--workers N` each worker is a process of its own; a cap kept in each would let N times as
 many values through. The admitted names are kept in a file in the instance's multiprocess
 directory instead, appended to under a lock. Only a name this process has not seen yet costs
@@ -21,6 +25,7 @@ log = logging.getLogger("infertap.metrics")
 
 OTHER = "other"
 NONE = "none"
+MAX_LABEL_CHARS = 256
 SHARED_FILE = "infertap_model_labels.txt"  # not *.db: prometheus_client reads those
 
 
@@ -75,12 +80,14 @@ class BoundedLabels:
     def __call__(self, model: str | None) -> str:
         if not model:
             return self.missing
+        if len(model) > MAX_LABEL_CHARS:  # before hashing it: a name may be megabytes long
+            return OTHER
         if model in self.seen:
             return model
-        if not self.accepts(model):
+        if not model.isprintable() or not self.accepts(model):
             return OTHER
         with self._lock:
-            if self.full or "\n" in model:
+            if self.full:
                 return OTHER
             if self.shared is not None:
                 try:

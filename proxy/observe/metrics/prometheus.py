@@ -17,7 +17,7 @@ from prometheus_client.metrics_core import Metric
 
 from proxy import __version__
 from proxy.core.errors import TIMEOUT_PHASES
-from proxy.core.exchange import Exchange, Outcome
+from proxy.core.exchange import Exchange, LocalAnswer, Outcome
 from proxy.core.hooks import Observer
 from proxy.core.route_table import route_of
 from proxy.observe.metrics.buckets import (
@@ -77,6 +77,14 @@ class Metrics(Observer):
             "infertap_requests_total",
             "Requests by how they ended.",
             ["route", "model", "upstream", "stream", "outcome", "client"],
+            registry=r,
+        )
+        self.answered_total = Counter(
+            "infertap_http_requests_total",
+            "Requests infertap answered itself, without forwarding: refused before being read (a wrong "
+            "or missing client key, a wrong method) and its own routes (/v1/models, probes, /metrics, "
+            "/ui, /docs, /admin, unknown paths). With infertap_requests_total: every request.",
+            ["route", "code"],
             registry=r,
         )
         self.duration = Histogram(
@@ -379,6 +387,9 @@ class Metrics(Observer):
             self._c(self.reasoning_tokens, model, upstream, client).inc(ex.reasoning_tokens)
         if ex.completion_tokens is None:
             self._c(self.estimated, model, upstream).inc()
+
+    def answered(self, answer: LocalAnswer) -> None:
+        self._c(self.answered_total, answer.route, str(answer.status)).inc()
 
     def _spend(self, ex: Exchange, model: str, upstream: str, client: str) -> None:
         """ex.cost was set by the spend observer (proxy/observe/spend.py), which runs before this one."""
