@@ -6,7 +6,9 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -262,6 +264,47 @@ def test_promtool_check_metrics(fake: tuple[FakeUpstream, str]) -> None:
         text = scrape(proxy)
     result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_metrics_directory_holding_other_files_is_refused(tmp_path: Path) -> None:
+    """Regression: `--workers N` deleted the whole directory PROMETHEUS_MULTIPROC_DIR named, whatever
+    it held (pointed at /tmp, it emptied /tmp). Now a directory holding anything but infertap's own
+    files is refused, with exit 2 and what to do, and nothing in it is touched."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "notes.txt").write_text("mine")
+    (shared / "counter_123.db").write_bytes(b"a previous run's")
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(shared)}
+    with socket.socket() as taken:  # should the directory pass, start-up still ends (port taken)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        cmd = ["serve", "--workers", "2", "--port", port, "--upstream", "http://127.0.0.1:9/v1"]
+        r = subprocess.run(
+            [sys.executable, "-m", "proxy", *cmd], capture_output=True, text=True, timeout=60, env=env
+        )
+    assert r.returncode == 2, r.stderr
+    assert (
+        "notes.txt" in r.stderr and "empty directory of its own" in r.stderr and "Traceback" not in r.stderr
+    )
+    assert sorted(p.name for p in shared.iterdir()) == ["counter_123.db", "notes.txt"]
+
+
+def test_a_metrics_directory_of_infertaps_own_files_is_emptied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from proxy.server.workers import multiprocess_metrics
+
+    own = ["counter_1.db", "gauge_livesum_1.db", "histogram_22.db", "infertap_model_labels.txt"]
+    for name in own:
+        (tmp_path / name).write_text("")
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    with multiprocess_metrics() as path:
+        assert path == str(tmp_path) and not list(tmp_path.iterdir())
+    assert tmp_path.is_dir()  # named by the user: kept
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "new"))
+    with multiprocess_metrics() as path:
+        assert (tmp_path / "new").is_dir()
 
 
 def test_two_workers_aggregate_metrics(fake: tuple[FakeUpstream, str], tmp_path: os.PathLike[str]) -> None:

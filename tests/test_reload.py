@@ -161,6 +161,7 @@ def test_reload_applies_to_new_requests_and_streams_in_flight_finish_on_the_old(
                 "applied": ["upstreams", "timeouts", "auth"],
                 "restart_needed": [],
                 "workers": 1,
+                "workers_running": 1,
             }
             # New requests: the new client keys, routing, upstream key.
             assert (

@@ -32,6 +32,11 @@ from proxy.settings import Settings
 
 log = logging.getLogger("infertap.app")
 
+# How long a reload's answer waits for the other workers to apply it (they poll every
+# PEER_POLL_SECONDS), and how often it looks at their slots meanwhile.
+ACK_WAIT_SECONDS = 2.0
+ACK_POLL_SECONDS = 0.02
+
 
 class NotStarted(RuntimeError):
     def __init__(self) -> None:
@@ -72,6 +77,7 @@ class Runtime:
         self.peers: Peers | None = None
         self.freeze_heap = False  # `infertap serve` sets it: the process is the app's alone
         self._peer_timer: asyncio.TimerHandle | None = None
+        self._poll_failed = False
         self._routing: ModelRouter | None = None
         self._started: Started | None = None
 
@@ -227,6 +233,30 @@ class Runtime:
     def _poll_peers(self) -> None:
         """An idle worker follows another's reload within PEER_POLL_SECONDS too, not only at its next
         request: its background checks, and the per-upstream gauges it holds in the shared metrics
-        (a circuit its old configuration had open), would show the old configuration meanwhile."""
-        self.follow_peers()
+        (a circuit its old configuration had open), would show the old configuration meanwhile.
+        Whatever fails, the next poll is due: a timer that stopped would leave this worker behind
+        every later reload for good."""
         self._peer_timer = asyncio.get_running_loop().call_later(PEER_POLL_SECONDS, self._poll_peers)
+        try:
+            self.follow_peers()
+        except Exception:
+            if not self._poll_failed:  # once: it polls twice a second
+                log.exception("following another worker's reload failed; still polling")
+            self._poll_failed = True
+        else:
+            self._poll_failed = False
+
+    async def acknowledged(self, generation: int | None) -> tuple[int, int]:
+        """(workers that have applied reload `generation`, workers running) once every running one
+        has, or ACK_WAIT_SECONDS after it was published, whichever comes first. An idle worker
+        applies it within PEER_POLL_SECONDS, a busy one before its next request; one that has not
+        by then (its event loop blocked, or the reload failed there) is left out of the count."""
+        peers = self.peers
+        if peers is None or generation is None:
+            return 1, 1
+        deadline = time.monotonic() + ACK_WAIT_SECONDS
+        while True:
+            applied, running = peers.acknowledged(generation)
+            if applied >= running or time.monotonic() >= deadline:
+                return applied, running
+            await asyncio.sleep(ACK_POLL_SECONDS)
