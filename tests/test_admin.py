@@ -7,6 +7,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import TypeAdapter
 
 from proxy.api.operator import EffectiveConfig, UpstreamState
@@ -119,3 +121,47 @@ def test_admin_port_keeps_the_operator_api_off_the_public_port(
         r = httpx.get(proxy + "/admin/upstreams", headers=ok)
         assert r.status_code == 404 and f"port {admin_port}" in r.json()["error"]["message"]
         assert httpx.get(proxy + "/healthz").status_code == 200
+
+
+_SCHEME = st.lists(st.booleans(), min_size=6, max_size=6).map(
+    lambda upper: "".join(c.upper() if u else c for c, u in zip("bearer", upper, strict=True))
+)
+
+
+def test_the_bearer_scheme_is_case_insensitive_for_every_token(
+    monkeypatch: pytest.MonkeyPatch, fake: tuple[FakeUpstream, str]
+) -> None:
+    """RFC 7235: the scheme's name is case-insensitive, and one or more spaces follow it. Regression:
+    `bearer KEY` (as some clients and proxies send it) was refused with 401, by the client keys,
+    the metrics token and the admin token alike (one parser, auth.bearer_key)."""
+    _, url = fake
+    monkeypatch.setenv("INFERTAP_TEST_ADMIN", TOKEN)
+    monkeypatch.setenv("INFERTAP_TEST_METRICS", "metrics-token")
+    monkeypatch.setenv("INFERTAP_TEST_CLIENTS", "client-key")
+    auth = AuthSettings(
+        keys_env="INFERTAP_TEST_CLIENTS",
+        metrics_token_env="INFERTAP_TEST_METRICS",
+        admin_token_env="INFERTAP_TEST_ADMIN",
+    )
+    chat = {"model": "fake-1", "messages": [{"role": "user", "content": "hi"}]}
+    with run_proxy(_settings(url, auth=auth)) as proxy, httpx.Client() as c:
+
+        @given(scheme=_SCHEME, spaces=st.integers(1, 3))
+        @settings(max_examples=20, deadline=None)
+        def every_token(scheme: str, spaces: int) -> None:
+            def auth(token: str) -> dict[str, str]:
+                return {"authorization": f"{scheme}{' ' * spaces}{token}"}
+
+            assert (
+                c.post(f"{proxy}/v1/chat/completions", json=chat, headers=auth("client-key")).status_code
+                == 200
+            )
+            assert c.get(f"{proxy}/metrics", headers=auth("metrics-token")).status_code == 200
+            assert c.get(f"{proxy}/admin/config", headers=auth(TOKEN)).status_code == 200
+            # ... and still only with the right token, and only that scheme.
+            assert c.get(f"{proxy}/admin/config", headers=auth("metrics-token")).status_code == 401
+            assert (
+                c.get(f"{proxy}/admin/config", headers={"authorization": f"Basic {TOKEN}"}).status_code == 401
+            )
+
+        every_token()

@@ -266,6 +266,52 @@ def test_promtool_check_metrics(fake: tuple[FakeUpstream, str]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+# prometheus_client as if a release had renamed Histogram's private `_sum`: its own observe and
+# exposition still work, what infertap's fast path reaches into does not.
+_RENAMED_SUM = """
+import prometheus_client.metrics as m
+
+init, observe, child_samples = m.Histogram._metric_init, m.Histogram.observe, m.Histogram._child_samples
+
+
+def _metric_init(self):
+    init(self)
+    self._total = self.__dict__.pop("_sum")
+
+
+def _with_sum(f):
+    def call(self, *args, **kwargs):
+        self._sum = self._total
+        try:
+            return f(self, *args, **kwargs)
+        finally:
+            del self._sum
+    return call
+
+
+m.Histogram._metric_init = _metric_init
+m.Histogram.observe = _with_sum(observe)
+m.Histogram._child_samples = _with_sum(child_samples)
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from proxy.observe.metrics import prometheus
+
+h = Histogram("itl", "gaps", registry=CollectorRegistry(), buckets=(0.5, 1.0))
+prometheus.observe_many(h, 0.0, 7)
+print(prometheus.AT_ONCE, h.collect()[0].samples[3].value)
+"""
+
+
+def test_observe_many_falls_back_when_prometheus_client_changes() -> None:
+    """Regression: observe_many reached into prometheus_client's private fields unchecked: a
+    release that renamed one would raise AttributeError on every stream with a burst of events.
+    Now they are checked once at import, and `observe` is called n times instead."""
+    r = subprocess.run([sys.executable, "-c", _RENAMED_SUM], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "7.0"]  # the fallback, and 7 observations counted
+    assert "observed one by one" in r.stderr
+
+
 def test_a_metrics_directory_holding_other_files_is_refused(tmp_path: Path) -> None:
     """Regression: `--workers N` deleted the whole directory PROMETHEUS_MULTIPROC_DIR named, whatever
     it held (pointed at /tmp, it emptied /tmp). Now a directory holding anything but infertap's own
@@ -408,15 +454,20 @@ def test_embeddings_access_log_says_usage_when_the_upstream_sent_it(
 @given(
     value=st.one_of(st.sampled_from([0.0, *ITL_BUCKETS[:-1]]), st.floats(-1.0, 1e4, allow_nan=False)),
     n=st.integers(1, 500),
+    fallback=st.booleans(),
 )
 @settings(max_examples=200, deadline=None)
-def test_observe_many_equals_as_many_observations(value: float, n: int) -> None:
+def test_observe_many_equals_as_many_observations(value: float, n: int, fallback: bool) -> None:
     """A burst of events read together is one `observe_many` call
     (proxy/observe/metrics/prometheus.py): it must
-    expose exactly what `n` calls of prometheus_client's own `observe` do, boundaries included."""
+    expose exactly what `n` calls of prometheus_client's own `observe` do, boundaries included,
+    at once (this prometheus_client) and in the fallback (one that changed its private fields)."""
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from proxy.observe.metrics.prometheus import observe_many
+    from proxy.observe.metrics import prometheus
+
+    assert prometheus.AT_ONCE  # the prometheus_client installed here: the fast path is in use
+    observe_many = prometheus._observe_each if fallback else prometheus.observe_many
 
     one, many = CollectorRegistry(), CollectorRegistry()
     a = Histogram("itl", "gaps", ["m"], buckets=ITL_BUCKETS, registry=one).labels("x")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.control.drain import Drain
+from proxy.control.model_list import ModelLists, ModelUnion
 from proxy.control.reload import Access, Reloader
 from proxy.control.reload_sharing import PEER_POLL_SECONDS, Peers
 from proxy.control.upstream_checks import UpstreamChecker
@@ -74,6 +75,7 @@ class Runtime:
         self.request_ids = RequestIds()
         self.reloader = Reloader(self, reload) if reload is not None else None
         self.reloaded_at: float | None = None
+        self.model_lists = ModelLists(settings.server.models_cache_seconds)
         self.peers: Peers | None = None
         self.freeze_heap = False  # `infertap serve` sets it: the process is the app's alone
         self._peer_timer: asyncio.TimerHandle | None = None
@@ -176,6 +178,10 @@ class Runtime:
         """GET /status's answer: each upstream's background check and circuit."""
         ready, _ = self.ready()
         return self.checker.status(self.drain.draining, ready)
+
+    async def model_union(self) -> ModelUnion:
+        """GET /v1/models's answer: the upstreams' lists, fetched at most models_cache_seconds ago."""
+        return await self.model_lists.get(self.routing, self.client)
 
     @staticmethod
     def _log_upstreams(routing: ModelRouter) -> None:
