@@ -8,6 +8,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import TypeAdapter
 
 from proxy.api.operator import EffectiveConfig, UpstreamState
@@ -152,3 +154,47 @@ def test_a_trailing_slash_is_answered_never_redirected_to_the_clients_host(
         r = httpx.get(f"{proxy}{path}?token=x", headers={"host": "evil.example"}, follow_redirects=False)
     assert r.status_code == 200, (r.status_code, r.headers)
     assert "location" not in r.headers
+
+
+_SCHEME = st.lists(st.booleans(), min_size=6, max_size=6).map(
+    lambda upper: "".join(c.upper() if u else c for c, u in zip("bearer", upper, strict=True))
+)
+
+
+def test_the_bearer_scheme_is_case_insensitive_for_every_token(
+    monkeypatch: pytest.MonkeyPatch, fake: tuple[FakeUpstream, str]
+) -> None:
+    """RFC 7235: the scheme's name is case-insensitive, and one or more spaces follow it. Regression:
+    `bearer KEY` (as some clients and proxies send it) was refused with 401, by the client keys,
+    the metrics token and the admin token alike (one parser, auth.bearer_key)."""
+    _, url = fake
+    monkeypatch.setenv("INFERTAP_TEST_ADMIN", TOKEN)
+    monkeypatch.setenv("INFERTAP_TEST_METRICS", "metrics-token")
+    monkeypatch.setenv("INFERTAP_TEST_CLIENTS", "client-key")
+    auth = AuthSettings(
+        keys_env="INFERTAP_TEST_CLIENTS",
+        metrics_token_env="INFERTAP_TEST_METRICS",
+        admin_token_env="INFERTAP_TEST_ADMIN",
+    )
+    chat = {"model": "fake-1", "messages": [{"role": "user", "content": "hi"}]}
+    with run_proxy(_settings(url, auth=auth)) as proxy, httpx.Client() as c:
+
+        @given(scheme=_SCHEME, spaces=st.integers(1, 3))
+        @settings(max_examples=20, deadline=None)
+        def every_token(scheme: str, spaces: int) -> None:
+            def auth(token: str) -> dict[str, str]:
+                return {"authorization": f"{scheme}{' ' * spaces}{token}"}
+
+            assert (
+                c.post(f"{proxy}/v1/chat/completions", json=chat, headers=auth("client-key")).status_code
+                == 200
+            )
+            assert c.get(f"{proxy}/metrics", headers=auth("metrics-token")).status_code == 200
+            assert c.get(f"{proxy}/admin/config", headers=auth(TOKEN)).status_code == 200
+            # ... and still only with the right token, and only that scheme.
+            assert c.get(f"{proxy}/admin/config", headers=auth("metrics-token")).status_code == 401
+            assert (
+                c.get(f"{proxy}/admin/config", headers={"authorization": f"Basic {TOKEN}"}).status_code == 401
+            )
+
+        every_token()

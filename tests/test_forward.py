@@ -303,6 +303,76 @@ def test_models_union_marks_upstreams_and_skips_dead_ones(fake: tuple[FakeUpstre
     assert dead_row["reachable"] is False and "Cannot connect" in dead_row["check_error"]
 
 
+def _model_list_fetches(upstream: FakeUpstream) -> int:
+    return sum(1 for r in upstream.requests if r.path.endswith("/models"))
+
+
+def test_models_list_is_fetched_once_per_configuration(
+    fake: tuple[FakeUpstream, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: every GET /v1/models asked every upstream. Now the union is kept for
+    [server] models_cache_seconds, and a reload (a new configuration) asks again."""
+    from proxy.app import create_app
+    from tests.conftest import serve_in_thread
+
+    upstream, url = fake
+    monkeypatch.setenv("RT_ADMIN", "adm")
+    settings = make_settings(
+        ("fake", url), server={"models_cache_seconds": 600}, auth={"admin_token_env": "RT_ADMIN"}
+    )
+    with serve_in_thread(create_app(settings, reload=lambda: settings)) as proxy, httpx.Client() as c:
+        first = [c.get(f"{proxy}/v1/models") for _ in range(3)]
+        assert [r.status_code for r in first] == [200] * 3 and len({r.content for r in first}) == 1
+        assert _model_list_fetches(upstream) == 1
+        reloaded = c.post(f"{proxy}/admin/reload", headers={"authorization": "Bearer adm"})
+        assert reloaded.status_code == 200, reloaded.text
+        assert c.get(f"{proxy}/v1/models").content == first[0].content
+        assert _model_list_fetches(upstream) == 2
+    before = _model_list_fetches(upstream)
+    with (
+        run_proxy(make_settings(("fake", url), server={"models_cache_seconds": 0})) as proxy,
+        httpx.Client() as c,
+    ):
+        for _ in range(2):
+            assert c.get(f"{proxy}/v1/models").status_code == 200
+    assert _model_list_fetches(upstream) == before + 2  # 0: every call asks
+
+
+def test_callers_of_the_models_list_share_one_fetch() -> None:
+    """Callers that come while the upstreams are being asked wait for that answer, and one that
+    goes away does not cancel it for the others; a list with nothing in it is not kept."""
+    from proxy.control.model_list import ModelLists, ModelUnion
+    from proxy.core.model_routing import ModelRouter
+
+    routing = ModelRouter.from_settings(make_settings(("a", "http://127.0.0.1:9/v1")))
+    fetches: list[asyncio.Event] = []
+
+    async def fetch(_routing: ModelRouter, _client: object) -> ModelUnion:
+        gate = asyncio.Event()
+        fetches.append(gate)
+        await gate.wait()
+        return ModelUnion(b"[]", len(fetches) - 1, [])  # the first lists nothing
+
+    async def main() -> None:
+        lists = ModelLists(600, fetch)  # type: ignore[arg-type]
+        callers = [asyncio.create_task(lists.get(routing, None)) for _ in range(5)]  # type: ignore[arg-type]
+        while not fetches:
+            await asyncio.sleep(0)
+        callers[0].cancel()
+        fetches[0].set()
+        got = await asyncio.gather(*callers[1:])
+        assert len(fetches) == 1 and all(u is got[0] for u in got)
+        again = asyncio.create_task(lists.get(routing, None))  # type: ignore[arg-type]
+        while len(fetches) < 2:  # nothing listed: not kept, asked again
+            await asyncio.sleep(0)
+        fetches[1].set()
+        kept = await again
+        assert kept.listed == 1 and await lists.get(routing, None) is kept  # type: ignore[arg-type]
+        assert len(fetches) == 2
+
+    asyncio.run(main())
+
+
 def test_readyz_answers_from_process_state() -> None:
     """/readyz never waits on an upstream; with ready_needs_upstream it also needs one whose
     circuit is not open."""

@@ -6,7 +6,9 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -264,6 +266,93 @@ def test_promtool_check_metrics(fake: tuple[FakeUpstream, str]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+# prometheus_client as if a release had renamed Histogram's private `_sum`: its own observe and
+# exposition still work, what infertap's fast path reaches into does not.
+_RENAMED_SUM = """
+import prometheus_client.metrics as m
+
+init, observe, child_samples = m.Histogram._metric_init, m.Histogram.observe, m.Histogram._child_samples
+
+
+def _metric_init(self):
+    init(self)
+    self._total = self.__dict__.pop("_sum")
+
+
+def _with_sum(f):
+    def call(self, *args, **kwargs):
+        self._sum = self._total
+        try:
+            return f(self, *args, **kwargs)
+        finally:
+            del self._sum
+    return call
+
+
+m.Histogram._metric_init = _metric_init
+m.Histogram.observe = _with_sum(observe)
+m.Histogram._child_samples = _with_sum(child_samples)
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from proxy.observe.metrics import prometheus
+
+h = Histogram("itl", "gaps", registry=CollectorRegistry(), buckets=(0.5, 1.0))
+prometheus.observe_many(h, 0.0, 7)
+print(prometheus.AT_ONCE, h.collect()[0].samples[3].value)
+"""
+
+
+def test_observe_many_falls_back_when_prometheus_client_changes() -> None:
+    """Regression: observe_many reached into prometheus_client's private fields unchecked: a
+    release that renamed one would raise AttributeError on every stream with a burst of events.
+    Now they are checked once at import, and `observe` is called n times instead."""
+    r = subprocess.run([sys.executable, "-c", _RENAMED_SUM], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "7.0"]  # the fallback, and 7 observations counted
+    assert "observed one by one" in r.stderr
+
+
+def test_a_metrics_directory_holding_other_files_is_refused(tmp_path: Path) -> None:
+    """Regression: `--workers N` deleted the whole directory PROMETHEUS_MULTIPROC_DIR named, whatever
+    it held (pointed at /tmp, it emptied /tmp). Now a directory holding anything but infertap's own
+    files is refused, with exit 2 and what to do, and nothing in it is touched."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "notes.txt").write_text("mine")
+    (shared / "counter_123.db").write_bytes(b"a previous run's")
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(shared)}
+    with socket.socket() as taken:  # should the directory pass, start-up still ends (port taken)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        cmd = ["serve", "--workers", "2", "--port", port, "--upstream", "http://127.0.0.1:9/v1"]
+        r = subprocess.run(
+            [sys.executable, "-m", "proxy", *cmd], capture_output=True, text=True, timeout=60, env=env
+        )
+    assert r.returncode == 2, r.stderr
+    assert (
+        "notes.txt" in r.stderr and "empty directory of its own" in r.stderr and "Traceback" not in r.stderr
+    )
+    assert sorted(p.name for p in shared.iterdir()) == ["counter_123.db", "notes.txt"]
+
+
+def test_a_metrics_directory_of_infertaps_own_files_is_emptied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from proxy.server.workers import multiprocess_metrics
+
+    own = ["counter_1.db", "gauge_livesum_1.db", "histogram_22.db", "infertap_model_labels.txt"]
+    for name in own:
+        (tmp_path / name).write_text("")
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    with multiprocess_metrics() as path:
+        assert path == str(tmp_path) and not list(tmp_path.iterdir())
+    assert tmp_path.is_dir()  # named by the user: kept
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "new"))
+    with multiprocess_metrics() as path:
+        assert (tmp_path / "new").is_dir()
+
+
 def test_two_workers_aggregate_metrics(fake: tuple[FakeUpstream, str], tmp_path: os.PathLike[str]) -> None:
     _, url = fake
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
@@ -365,15 +454,20 @@ def test_embeddings_access_log_says_usage_when_the_upstream_sent_it(
 @given(
     value=st.one_of(st.sampled_from([0.0, *ITL_BUCKETS[:-1]]), st.floats(-1.0, 1e4, allow_nan=False)),
     n=st.integers(1, 500),
+    fallback=st.booleans(),
 )
 @settings(max_examples=200, deadline=None)
-def test_observe_many_equals_as_many_observations(value: float, n: int) -> None:
+def test_observe_many_equals_as_many_observations(value: float, n: int, fallback: bool) -> None:
     """A burst of events read together is one `observe_many` call
     (proxy/observe/metrics/prometheus.py): it must
-    expose exactly what `n` calls of prometheus_client's own `observe` do, boundaries included."""
+    expose exactly what `n` calls of prometheus_client's own `observe` do, boundaries included,
+    at once (this prometheus_client) and in the fallback (one that changed its private fields)."""
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from proxy.observe.metrics.prometheus import observe_many
+    from proxy.observe.metrics import prometheus
+
+    assert prometheus.AT_ONCE  # the prometheus_client installed here: the fast path is in use
+    observe_many = prometheus._observe_each if fallback else prometheus.observe_many
 
     one, many = CollectorRegistry(), CollectorRegistry()
     a = Histogram("itl", "gaps", ["m"], buckets=ITL_BUCKETS, registry=one).labels("x")

@@ -70,6 +70,14 @@ BROKEN = {
     "not TOML": ("[[upstreams]\nname = ", "not valid TOML"),
     "unknown field": ("[retry]\nmax_attempt = 2\n", "retry.max_attempt"),
     "unset key variable": ('[auth]\nkeys_env = "RT_NOT_SET"\n', "auth.keys_env"),
+    "an upstream's own timeout": (
+        '[[upstreams]]\nname = "a"\nbase_url = "http://127.0.0.1:9/v1"\ntimeouts = {ttft = 0}\n',
+        "upstreams.0.timeouts.ttft",
+    ),
+    "an upstream's own retry": (
+        '[[upstreams]]\nname = "a"\nbase_url = "http://127.0.0.1:9/v1"\nretry = {max_attempts = 0}\n',
+        "upstreams.0.retry.max_attempts",
+    ),
 }
 
 
@@ -161,6 +169,7 @@ def test_reload_applies_to_new_requests_and_streams_in_flight_finish_on_the_old(
                 "applied": ["upstreams", "timeouts", "auth"],
                 "restart_needed": [],
                 "workers": 1,
+                "workers_running": 1,
             }
             # New requests: the new client keys, routing, upstream key.
             assert (

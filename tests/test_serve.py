@@ -145,6 +145,23 @@ def test_a_wrong_config_names_the_field_without_a_traceback(tmp_path: Path) -> N
     assert r.returncode == 2 and "not valid TOML" in r.stderr
 
 
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("timeouts = {ttft = 0}", "upstreams.0.timeouts.ttft"),
+        ("retry = {backoff_seconds = -1}", "upstreams.0.retry"),
+    ],
+)
+def test_an_upstreams_own_timeouts_are_checked_with_the_rest(
+    tmp_path: Path, override: str, named: str
+) -> None:
+    """Regression: they were checked only when the server built its routing (two tracebacks, exit 3)."""
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f'[[upstreams]]\nname = "a"\nbase_url = "http://127.0.0.1:9/v1"\n{override}\n')
+    r = _serve("--config", str(cfg), "--port", "0", env=_clean_env())
+    _one_clear_line(r, named)
+
+
 def test_help_lists_commands_and_options() -> None:
     top = subprocess.run(
         [sys.executable, "-m", "proxy", "--help"], capture_output=True, text=True, check=True

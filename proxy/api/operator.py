@@ -87,9 +87,14 @@ class ReloadResult(BaseModel):
     applied: list[str] = Field(description="sections that changed and now apply to new requests")
     restart_needed: list[str] = Field(description="sections that changed but run on until a restart")
     workers: int = Field(
-        description="worker processes it applies to (--workers): the one that answered at once, each "
-        "other one before the next request it handles, or within half a second when idle"
+        description="worker processes that had applied it when this answer was sent (acknowledged, "
+        "not assumed). With --workers N the answer waits up to 2 s for every running worker: an idle "
+        "one applies it within half a second, a busy one before its next request. Fewer than "
+        "`workers_running` means some had not by then (a blocked event loop, or the reload failed "
+        "there and its log says why); they still apply it before their next request if they can. "
+        "1 without --workers."
     )
+    workers_running: int = Field(description="worker processes running when this answer was sent")
 
 
 @router.get("/upstreams", response_model=list[UpstreamState], summary="Each upstream's state")
@@ -140,8 +145,10 @@ async def config(runtime: RuntimeDep) -> EffectiveConfig:
     summary="Reload the configuration file (as SIGHUP does)",
     description="Upstreams and routing, keys, timeouts, retries and the circuit settings apply to new "
     "requests; requests in flight finish on the settings they started with. With --workers N every "
-    "worker applies it (none restarts). A file that does not load is rejected with the field named, "
-    "and the running configuration stays, in every worker.",
+    "worker applies it (none restarts), and `workers` counts those that had when the answer was sent "
+    "(it waits up to 2 s for them). Two reloads at once run one after the other: the one that read "
+    "the file last is the one every worker ends on. A file that does not load is rejected with the "
+    "field named, and the running configuration stays, in every worker.",
     responses={
         400: {"model": ErrorResponse, "description": "the file is invalid: nothing changed"},
         409: {"model": ErrorResponse, "description": "this infertap has no configuration file to reload"},
@@ -157,7 +164,11 @@ async def reload(runtime: RuntimeDep) -> ReloadResult:
         raise ApiError(
             400, f"the configuration was NOT reloaded (the running one stays): {e}", code="invalid_config"
         ) from None
-    workers = runtime.settings.server.workers if reloader.peers is not None else 1
+    workers, running = await runtime.acknowledged(applied.generation)
     return ReloadResult(
-        reloaded=True, applied=applied.changed, restart_needed=applied.restart_needed, workers=workers
+        reloaded=True,
+        applied=applied.changed,
+        restart_needed=applied.restart_needed,
+        workers=workers,
+        workers_running=running,
     )

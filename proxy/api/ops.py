@@ -7,8 +7,6 @@ None of these is on the hot path: the proxied OpenAI routes never reach FastAPI
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from typing import Any
 
 import orjson
@@ -19,12 +17,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from proxy import __version__
 from proxy.api.deps import RuntimeDep, bearer_ok
 from proxy.api.errors import ApiError, ErrorResponse, unauthorized
-from proxy.control.upstream_checks import probe_models
-from proxy.core.errors import UpstreamError
-
-log = logging.getLogger("infertap.app")
-
-PROBE_TIMEOUT = 3.0
 
 
 class Health(BaseModel):
@@ -91,38 +83,12 @@ async def metrics(request: Request, runtime: RuntimeDep) -> Response:
 @router.get(
     "/v1/models",
     response_model=ModelList,
-    summary="Every upstream's model list, merged",
+    summary="Every upstream's model list, merged (fetched at most [server] models_cache_seconds ago)",
     responses={502: {"model": ErrorResponse, "description": "no upstream answered"}},
 )
 async def models(runtime: RuntimeDep) -> Response:
-    ups = runtime.routing.upstreams
-    results = await asyncio.gather(
-        *(probe_models(runtime.client, u, PROBE_TIMEOUT) for u in ups), return_exceptions=True
-    )
-    data: list[dict[str, Any]] = []
-    seen: set[Any] = set()
-    failures: list[str] = []
-    for up, res in zip(ups, results, strict=True):
-        if isinstance(res, BaseException) and not isinstance(res, UpstreamError):
-            log.error("upstream %s: its model list failed unexpectedly: %s", up.name, type(res).__name__)
-            failures.append(f"{up.name}: the request failed unexpectedly (see infertap's log)")
-            continue
-        if isinstance(res, UpstreamError) or res.status != 200:
-            failures.append(f"{up.name}: {res if isinstance(res, UpstreamError) else f'HTTP {res.status}'}")
-            continue
-        try:
-            listed = orjson.loads(res.body).get("data", [])
-        except (orjson.JSONDecodeError, AttributeError):
-            failures.append(f"{up.name}: not an OpenAI model list")
-            continue
-        for model in listed:
-            # A model two upstreams serve is listed once, under the first (routing order).
-            if isinstance(model, dict) and model.get("id") not in seen:
-                seen.add(model.get("id"))
-                data.append({**model, "upstream": up.name})
-    if failures:
-        log.warning("model list incomplete: %s", "; ".join(failures))
-    if not data and failures:
-        msg = "no upstream answered the model list: " + "; ".join(failures)
+    union = await runtime.model_union()
+    if not union.listed and union.failures:
+        msg = "no upstream answered the model list: " + "; ".join(union.failures)
         raise ApiError(502, msg, "upstream_error", "upstream_unreachable")
-    return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
+    return Response(union.body, media_type="application/json")

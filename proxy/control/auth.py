@@ -75,10 +75,14 @@ class ClientKeys:
 
 
 def bearer_key(authorization: str | None) -> str | None:
-    """The token of an `Authorization: Bearer <token>` header; None when there is none."""
-    if not authorization or not authorization.startswith("Bearer "):
+    """The token of an `Authorization: Bearer <token>` header; None when there is none. The scheme's
+    name is case-insensitive (RFC 7235: `bearer`, `BEARER` alike), and one or more spaces follow it."""
+    if not authorization:
         return None
-    return authorization[7:].strip() or None
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return token.strip() or None
 
 
 def bearer_matches(authorization: str | None, token: str) -> bool:

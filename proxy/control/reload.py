@@ -14,7 +14,9 @@ State that outlives a reload: an upstream kept under the same name and base URL 
 breaker (unless [circuit] changed) and infertap's memory that it rejects stream_options.
 
 With --workers N the worker that reloads publishes what it loaded, and the others apply it before
-their next request (proxy/control/reload_sharing.py), so a reload answered by one worker holds for all.
+their next request (proxy/control/reload_sharing.py), so a reload answered by one worker holds for
+all; SIGHUP goes to the supervisor, which loads, checks and publishes the file the same way
+(proxy/server/workers.py). A worker that starts later adopts what was published last.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from proxy.control.auth import ClientKeys, HeaderNames, bearer_token, header_names
@@ -59,6 +61,18 @@ class Access:
 class Applied:
     changed: list[str]  # sections applied to new requests
     restart_needed: list[str]  # sections that changed in the file but run on until a restart
+    generation: int | None = None  # what it was published as, with --workers N
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    """What a reload swaps in, built before anything is swapped."""
+
+    settings: Settings
+    access: Access
+    routing: ModelRouter
+    applied: list[str]
+    restart_needed: list[str]
 
 
 def changed_sections(old: Settings, new: Settings) -> list[str]:
@@ -106,6 +120,46 @@ def merged(current: Settings, loaded: Settings) -> tuple[Settings, list[str], li
     return current.model_copy(update={name: getattr(loaded, name) for name in RELOADABLE}), applied, restart
 
 
+def build(current: Settings, loaded: Settings) -> Built:
+    """Everything `loaded` would run on, checked: raises ConfigError (the field named) when it cannot."""
+    settings, applied, restart = merged(current, loaded)
+    access = Access.from_settings(settings)
+    try:
+        routing = ModelRouter.from_settings(settings)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"invalid configuration (upstreams): {e}") from None
+    return Built(settings, access, routing, applied, restart)
+
+
+def adopt_published(start: Settings, peers: Peers) -> Settings:
+    """A worker that starts (uvicorn replaces one that died): the settings the others run, that is
+    the last reload published, or the start-up settings when none was. Never the file as it is
+    now: broken, it would leave this worker on the start-up settings, undoing the reloads the
+    others applied; edited since, it would set this worker apart."""
+    if not peers.behind():
+        return start
+    try:
+        settings = build(start, Settings.model_validate_json(peers.take())).settings
+    except Exception as e:  # not expected: another worker applied it in the same environment
+        log.error("the last reload could NOT be adopted at start (the start-up configuration runs): %s", e)
+        return start
+    peers.ack()
+    return settings
+
+
+def publish_reload(peers: Peers, start: Settings, load: Callable[[], Settings]) -> tuple[int, Built]:
+    """SIGHUP to the supervisor (--workers N): load the file and check it as a worker's reload
+    would, then publish it for the workers to apply (the supervisor runs no proxy itself); the
+    new generation, and what it changes. Raises ConfigError (the field named), publishing nothing."""
+    with peers.locked():
+        loaded = load()
+        current = start  # what the workers run: the start-up settings, or the last reload published
+        if peers.generation:
+            current = merged(start, Settings.model_validate_json(peers.take()))[0]
+        built = build(current, loaded)
+        return peers.publish(loaded.model_dump_json()), built
+
+
 class Reloader:
     def __init__(self, target: Target, load: Callable[[], Settings]) -> None:
         self.target = target
@@ -115,30 +169,40 @@ class Reloader:
 
     def reload(self) -> Applied:
         """Raises ConfigError (the field named) and changes nothing, here or in another worker, when
-        the new file is bad."""
-        loaded = self.load()
-        result = self.apply(loaded)
-        if self.peers is not None:
-            self.peers.publish(loaded.model_dump_json())
-        return result
+        the new file is bad. With --workers N the file is read under the shared lock and published
+        before it is released: of two reloads at once, the one that read the file last is applied
+        last, everywhere."""
+        peers = self.peers
+        if peers is None:
+            return self.apply(self.load())
+        with peers.locked():
+            loaded = self.load()
+            result = self.apply(loaded)
+            generation = peers.publish(loaded.model_dump_json())
+        return replace(result, generation=generation)
 
     def catch_up(self) -> None:
-        """Apply what another worker published (it loaded and applied it without error)."""
-        assert self.peers is not None
+        """Apply what another worker published (it loaded and applied it without error), and say so
+        in this worker's slot. Whatever fails, the running configuration stays and it is said once."""
+        peers = self.peers
+        assert peers is not None
         try:
-            self.apply(Settings.model_validate_json(self.peers.take()))
+            self.apply(Settings.model_validate_json(peers.take()))
         except (ConfigError, ValueError, OSError) as e:  # not expected (same file, same environment)
             log.error("another worker's reload was NOT applied here (the running configuration stays): %s", e)
+            return
+        except Exception:
+            log.exception("another worker's reload was NOT applied here (the running configuration stays)")
+            return
+        peers.ack()
 
     def apply(self, loaded: Settings) -> Applied:
-        settings, applied, restart = merged(self.target.settings, loaded)
-        access = Access.from_settings(settings)
-        try:
-            routing = ModelRouter.from_settings(settings)
-        except (ValueError, KeyError) as e:
-            raise ConfigError(f"invalid configuration (upstreams): {e}") from None
-        carry_state(self.target.routing, routing, "circuit" in applied, self.target.stream_options_memory())
-        self.target.swap(settings, access, routing)
+        built = build(self.target.settings, loaded)
+        applied, restart = built.applied, built.restart_needed
+        carry_state(
+            self.target.routing, built.routing, "circuit" in applied, self.target.stream_options_memory()
+        )
+        self.target.swap(built.settings, built.access, built.routing)
         if applied or restart:
             log.warning(
                 "configuration reloaded: applied %s%s",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.control.drain import Drain
+from proxy.control.model_list import ModelLists, ModelUnion
 from proxy.control.reload import Access, Reloader
 from proxy.control.reload_sharing import PEER_POLL_SECONDS, Peers
 from proxy.control.upstream_checks import UpstreamChecker
@@ -31,6 +32,11 @@ from proxy.observe.upstream_stats import UpstreamStats
 from proxy.settings import Settings
 
 log = logging.getLogger("infertap.app")
+
+# How long a reload's answer waits for the other workers to apply it (they poll every
+# PEER_POLL_SECONDS), and how often it looks at their slots meanwhile.
+ACK_WAIT_SECONDS = 2.0
+ACK_POLL_SECONDS = 0.02
 
 
 class NotStarted(RuntimeError):
@@ -69,9 +75,11 @@ class Runtime:
         self.request_ids = RequestIds()
         self.reloader = Reloader(self, reload) if reload is not None else None
         self.reloaded_at: float | None = None
+        self.model_lists = ModelLists(settings.server.models_cache_seconds)
         self.peers: Peers | None = None
         self.freeze_heap = False  # `infertap serve` sets it: the process is the app's alone
         self._peer_timer: asyncio.TimerHandle | None = None
+        self._poll_failed = False
         self._routing: ModelRouter | None = None
         self._started: Started | None = None
 
@@ -171,6 +179,10 @@ class Runtime:
         ready, _ = self.ready()
         return self.checker.status(self.drain.draining, ready)
 
+    async def model_union(self) -> ModelUnion:
+        """GET /v1/models's answer: the upstreams' lists, fetched at most models_cache_seconds ago."""
+        return await self.model_lists.get(self.routing, self.client)
+
     @staticmethod
     def _log_upstreams(routing: ModelRouter) -> None:
         for up in routing.upstreams:
@@ -227,6 +239,30 @@ class Runtime:
     def _poll_peers(self) -> None:
         """An idle worker follows another's reload within PEER_POLL_SECONDS too, not only at its next
         request: its background checks, and the per-upstream gauges it holds in the shared metrics
-        (a circuit its old configuration had open), would show the old configuration meanwhile."""
-        self.follow_peers()
+        (a circuit its old configuration had open), would show the old configuration meanwhile.
+        Whatever fails, the next poll is due: a timer that stopped would leave this worker behind
+        every later reload for good."""
         self._peer_timer = asyncio.get_running_loop().call_later(PEER_POLL_SECONDS, self._poll_peers)
+        try:
+            self.follow_peers()
+        except Exception:
+            if not self._poll_failed:  # once: it polls twice a second
+                log.exception("following another worker's reload failed; still polling")
+            self._poll_failed = True
+        else:
+            self._poll_failed = False
+
+    async def acknowledged(self, generation: int | None) -> tuple[int, int]:
+        """(workers that have applied reload `generation`, workers running) once every running one
+        has, or ACK_WAIT_SECONDS after it was published, whichever comes first. An idle worker
+        applies it within PEER_POLL_SECONDS, a busy one before its next request; one that has not
+        by then (its event loop blocked, or the reload failed there) is left out of the count."""
+        peers = self.peers
+        if peers is None or generation is None:
+            return 1, 1
+        deadline = time.monotonic() + ACK_WAIT_SECONDS
+        while True:
+            applied, running = peers.acknowledged(generation)
+            if applied >= running or time.monotonic() >= deadline:
+                return applied, running
+            await asyncio.sleep(ACK_POLL_SECONDS)

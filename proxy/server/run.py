@@ -70,4 +70,5 @@ def run(settings: Settings, argv: list[str] | None = None) -> None:
         sockets = [config.bind_socket()]
         if s.admin_port:
             sockets.append(admin_socket(s.admin_host, s.admin_port))
-        Supervisor(config, sockets=sockets).run()
+        load = reloader(argv) if argv is not None else None
+        Supervisor(config, sockets, settings, load, shared).run()

@@ -19,6 +19,8 @@ from pydantic import (
 )
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
+    InitSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     SettingsError,
@@ -76,7 +78,12 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Without the TOML source added here, `toml_file` would be silently ignored.
-        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
+        assert isinstance(init_settings, InitSettingsSource)
+        return (
+            _Init(settings_cls, init_settings.init_kwargs),
+            _Env(settings_cls),
+            _Toml(settings_cls),
+        )
 
     @model_validator(mode="after")
     def _unique_names(self) -> Self:
@@ -91,6 +98,32 @@ class Settings(BaseSettings):
             if missing:
                 raise ValueError(f"upstream {up.name!r}: fallback names no other upstream: {missing}")
         return self
+
+
+def _one_spelling(data: dict[str, Any]) -> dict[str, Any]:
+    """[timeouts] `read` is `idle`'s other name (the seed client's word), in every source alike. Each
+    source's spelling is made `idle` before the sources are merged, so that whichever spelling each
+    uses, the environment wins over the file as for any other field (merged first, the two
+    spellings would be two fields, one of them unknown). Both in one source stays an error."""
+    timeouts = data.get("timeouts")
+    if isinstance(timeouts, dict) and "read" in timeouts and "idle" not in timeouts:
+        data = {**data, "timeouts": {("idle" if k == "read" else k): v for k, v in timeouts.items()}}
+    return data
+
+
+class _Init(InitSettingsSource):
+    def __call__(self) -> dict[str, Any]:
+        return _one_spelling(super().__call__())
+
+
+class _Env(EnvSettingsSource):
+    def __call__(self) -> dict[str, Any]:
+        return _one_spelling(super().__call__())
+
+
+class _Toml(TomlConfigSettingsSource):
+    def __call__(self) -> dict[str, Any]:
+        return _one_spelling(super().__call__())
 
 
 # The sections that a reload (POST /admin/reload, SIGHUP) applies to new requests; others need a restart.
@@ -137,7 +170,7 @@ def _settings_error(err: SettingsError) -> str:
     """pydantic-settings' own errors (a variable that is not valid JSON, say), worded for a person."""
     found = re.search(r'field "(\w+)" from source "(\w+)"', str(err))
     cause = f": {err.__cause__}" if err.__cause__ is not None else ""
-    if found and found.group(2) == "EnvSettingsSource":
+    if found and found.group(2) == _Env.__name__:
         var = f"{_ENV_PREFIX}{found.group(1).upper()}"
         return f"invalid configuration (environment): {var} is not valid JSON{cause}"
     return f"invalid configuration: {err}{cause}"

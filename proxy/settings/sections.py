@@ -71,6 +71,12 @@ class ServerSettings(_Section):
         default=15.0, gt=0, description="seconds between background GET /models checks (GET /status)"
     )
     upstream_check_timeout: float = Field(default=2.0, gt=0, description="each background check's limit")
+    models_cache_seconds: float = Field(
+        default=5.0,
+        ge=0,
+        description="GET /v1/models answers from the upstreams' lists fetched at most this long ago "
+        "(a reload fetches them anew); 0: every call asks every upstream",
+    )
 
     @model_validator(mode="after")
     def _drain(self) -> Self:
@@ -92,6 +98,13 @@ class TimeoutSettings(_Section):
     )
     total: float | None = Field(default=None, gt=0, description="the whole request; none by default")
     pool: float = Field(default=10.0, gt=0, description="longest wait for a free pooled connection")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "read" in data and "idle" in data:
+            raise ValueError("give idle or read (its other name), not both")
+        return data
 
 
 class RetrySettings(_Section):

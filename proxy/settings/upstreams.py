@@ -34,6 +34,9 @@ class UpstreamSettings(_Section):
         "1000); more wait up to [timeouts] pool, then fail with pool_timeout",
     )
 
+    # Each override is checked here, with the rest of the file, by the section's own model: the
+    # same bounds as [timeouts] and [retry], and an error that names the field
+    # (upstreams.0.timeouts.ttft), rather than when the server builds its routing.
     @field_validator("timeouts")
     @classmethod
     def _known_timeouts(cls, v: dict[str, float | None]) -> dict[str, float | None]:
@@ -42,6 +45,9 @@ class UpstreamSettings(_Section):
             raise ValueError(
                 f"unknown timeout(s) {sorted(unknown)}; known: {sorted(TimeoutSettings.model_fields)}"
             )
+        if "read" in v and "idle" in v:
+            raise ValueError("give idle or read (its other name), not both")
+        TimeoutSettings.model_validate(v)
         return v
 
     @field_validator("retry")
@@ -52,6 +58,7 @@ class UpstreamSettings(_Section):
             raise ValueError(
                 f"unknown retry setting(s) {sorted(unknown)}; known: {sorted(RetrySettings.model_fields)}"
             )
+        RetrySettings.model_validate(v)
         return v
 
     def effective_timeouts(self, base: TimeoutSettings) -> TimeoutSettings:

@@ -6,9 +6,11 @@ bounded: `model` passes an allow-list with a cap, everything else has a closed v
 
 from __future__ import annotations
 
+import logging
 import os
 from bisect import bisect_left
 from collections.abc import Collection, Iterator
+from importlib.metadata import version
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
@@ -38,14 +40,63 @@ UPSTREAM_UP = "infertap_upstream_up"
 IN_FLIGHT = "infertap_in_flight_requests"
 
 
+def _observe_many_at_once(child: Any, value: float, n: int) -> None:
+    # What prometheus_client's Histogram.observe does (the same attributes, in its single- and
+    # multi-process value classes alike), n times at once. Its private attributes: checked below.
+    child._sum.inc(value * n)
+    child._buckets[bisect_left(child._upper_bounds, value)].inc(n)
+
+
+def _observe_each(child: Any, value: float, n: int) -> None:
+    for _ in range(n):
+        child.observe(value)
+
+
+def at_once_works(histogram: type[Histogram] = Histogram) -> bool:
+    """Whether `_observe_many_at_once` still does what n calls of `observe` do, in this version of
+    prometheus_client: two throwaway histograms, one observed each time, one at once, compared.
+    They hold their values in memory, never in the multiprocess directory (whose files every
+    scrape reads): prometheus_client's in-memory value class is chosen for them."""
+    from prometheus_client import values
+
+    chosen = values.ValueClass
+    try:
+        values.ValueClass = values.MutexValue
+        each, at_once = (histogram("check", "check", registry=None, buckets=(0.5, 1.0)) for _ in range(2))
+    except Exception:  # whatever changed, the answer is no
+        return False
+    finally:
+        values.ValueClass = chosen
+    try:
+        for value, n in ((0.0, 3), (0.5, 2), (0.75, 4), (1.0, 1), (7.0, 5)):
+            _observe_each(each, value, n)
+            _observe_many_at_once(at_once, value, n)
+        # Values that sum exactly in binary floating point; `_created` is each one's own time.
+        got, want = ([s[:3] for s in h._child_samples() if s.name != "_created"] for h in (at_once, each))
+        return got == want
+    except Exception:
+        return False
+
+
+# Checked once, at import: a prometheus_client that no longer keeps those attributes gets n calls
+# of its own `observe` (slower for bursts, never wrong), not an AttributeError per request.
+AT_ONCE = at_once_works()
+if not AT_ONCE:
+    logging.getLogger("infertap.metrics").warning(
+        "prometheus_client %s: a burst of output events is observed one by one (slower)",
+        version("prometheus_client"),
+    )
+
+
 def observe_many(child: Any, value: float, n: int) -> None:
     """`n` observations of `value` in a histogram child, at the cost of one: the events of one
     read share a timestamp, so a burst of 100 adds 99 zero gaps. prometheus_client has no such
-    call; this does what its `Histogram.observe` does (the same attributes, in its single- and
-    multi-process value classes alike), n times at once. tests/test_metrics.py holds it equal
-    to n calls of `observe`."""
-    child._sum.inc(value * n)
-    child._buckets[bisect_left(child._upper_bounds, value)].inc(n)
+    call. tests/test_metrics.py holds it equal to n calls of `observe`, with and without the
+    fallback."""
+    if AT_ONCE:
+        _observe_many_at_once(child, value, n)
+    else:
+        _observe_each(child, value, n)
 
 
 def _default_model_patterns(settings: Settings) -> list[str] | None:
