@@ -240,8 +240,9 @@ def _check_answer(o: Outcome, rec: RecordingObserver, w: World) -> None:
         assert "error" not in json.loads(o.body), o  # a whole JSON answer: it parses (a cut one would not)
         return
     events = [e for e in o.body.split(b"\n\n") if e]
-    if events and events[-1].startswith(b"data: {") and b'"error"' in events[-1]:
-        return  # an in-band error event: visible
+    last = events[-1] if events else b""
+    if b'"error"' in last and last.startswith((b"data: {", b"event: response.failed\n")):
+        return  # an in-band error event (the Responses API's ends with response.failed): visible
     ex = rec.exchanges[o.rid]
     sent = {"a": w.a.fake.sent, "b": w.b.fake.sent}[ex.upstream or ""].get(o.rid, bytearray())
     expected = bytes(sent)

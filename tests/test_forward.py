@@ -300,7 +300,7 @@ def test_models_union_marks_upstreams_and_skips_dead_ones(fake: tuple[FakeUpstre
     assert ready.status_code == 200 and health.status_code == 200
     fake_row, dead_row = status["upstreams"]
     assert fake_row["reachable"] is True and fake_row["circuit"]["state"] == "closed"
-    assert dead_row["reachable"] is False and "Cannot connect" in dead_row["check_error"]
+    assert dead_row["reachable"] is False and dead_row["check_error"] == "is unreachable: connection refused"
 
 
 def _model_list_fetches(upstream: FakeUpstream) -> int:

@@ -41,25 +41,47 @@ class KindInfo:
     status: int  # infertap's answer when this ends a request before anything was relayed
     unhealthy: bool  # counts as a failure of the upstream (its circuit breaker)
     timeout_phase: str | None  # the `phase` label of infertap_timeouts_total
-    # How an attempt's error message says it ("upstream 'x' (url) <what>: <exception>").
-    what: str = "failed before the first token"
+    # How a message says it, after "upstream 'x' (url) ": {what} is the cause in the transport's
+    # words ("closed the connection"), {seconds} the timeout that ran out, {phase} where the
+    # request stood (a Phase). Never an HTTP library's words: they mean nothing to a client.
+    says: str = "{what} {phase}"
+
+
+class Phase:
+    """Where a request stood when its upstream failed, as messages say it."""
+
+    HEADERS = "before its response headers"
+    FIRST_TOKEN = "before the first token"
+    RESPONSE = "mid-response"
 
 
 ERRORS: dict[ErrorKind, KindInfo] = {
     ErrorKind.CONNECT_TIMEOUT: KindInfo(
-        Outcome.CONNECT_TIMEOUT, 504, True, "connect", "did not accept a connection in time"
+        Outcome.CONNECT_TIMEOUT,
+        504,
+        True,
+        "connect",
+        "did not accept a connection within {seconds} s (connect timeout)",
     ),
-    ErrorKind.CONNECT_ERROR: KindInfo(Outcome.CONNECT_ERROR, 502, True, None, "is unreachable"),
-    ErrorKind.TTFT_TIMEOUT: KindInfo(Outcome.TTFT_TIMEOUT, 504, True, "ttft", "did not answer in time"),
-    ErrorKind.IDLE_TIMEOUT: KindInfo(Outcome.IDLE_TIMEOUT, 504, True, "idle"),
-    ErrorKind.TOTAL_TIMEOUT: KindInfo(Outcome.TOTAL_TIMEOUT, 504, False, "total"),
-    ErrorKind.POOL_TIMEOUT: KindInfo(
-        Outcome.POOL_TIMEOUT, 503, False, "pool", "had no free connection in time (max_connections)"
+    ErrorKind.CONNECT_ERROR: KindInfo(Outcome.CONNECT_ERROR, 502, True, None, "{what}"),
+    ErrorKind.TTFT_TIMEOUT: KindInfo(
+        Outcome.TTFT_TIMEOUT, 504, True, "ttft", "sent no token within {seconds} s (ttft timeout)"
     ),
+    ErrorKind.IDLE_TIMEOUT: KindInfo(
+        Outcome.IDLE_TIMEOUT, 504, True, "idle", "sent nothing for {seconds} s {phase} (idle timeout)"
+    ),
+    ErrorKind.TOTAL_TIMEOUT: KindInfo(
+        Outcome.TOTAL_TIMEOUT,
+        504,
+        False,
+        "total",
+        "did not finish within {seconds} s {phase} (total timeout)",
+    ),
+    ErrorKind.POOL_TIMEOUT: KindInfo(Outcome.POOL_TIMEOUT, 503, False, "pool", "{what}"),
     ErrorKind.STREAM_INTERRUPTED: KindInfo(Outcome.STREAM_INTERRUPTED, 502, True, None),
-    ErrorKind.UPSTREAM_429: KindInfo(Outcome.RATE_LIMITED, 429, False, None),
+    ErrorKind.UPSTREAM_429: KindInfo(Outcome.RATE_LIMITED, 429, False, None, "{what}"),
     ErrorKind.UPSTREAM_5XX: KindInfo(Outcome.UPSTREAM_ERROR, 502, True, None),
-    ErrorKind.STREAM_OPTIONS: KindInfo(None, 400, False, None),
+    ErrorKind.STREAM_OPTIONS: KindInfo(None, 400, False, None, "{what}"),
 }
 
 # By label string: retry reasons and outcomes share their strings with the kinds.
@@ -82,14 +104,33 @@ def timeout_phase(label: str) -> str | None:
 
 
 def describe(exc: BaseException) -> str:
-    """A short, key-free description of a failure: the exception's type and message."""
+    """A short, key-free description of infertap's own failure (a bug): the exception's type and
+    message. Never for an upstream's failure: `failure_message` says those in infertap's words."""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def failure_message(
+    upstream: str, url: str, kind: ErrorKind, what: str, phase: str = "", seconds: float | None = None
+) -> str:
+    """What a client (and the access log, spans, the circuit's cause) reads when an upstream failed:
+    which upstream, what it did, where the request stood and, for a timeout, how long it waited.
+    `kind` is the cause (an idle timeout before the first token says `idle`, though the request
+    ends as a ttft timeout)."""
+    said = ERRORS[kind].says.format(what=what, phase=phase, seconds=seconds_text(seconds))
+    return f"upstream '{upstream}' ({url}) {said.rstrip()}"
+
+
+def seconds_text(seconds: float | None) -> str:
+    """8.0 -> "8", 0.25 -> "0.25": a configured timeout as its owner wrote it."""
+    return "?" if seconds is None else f"{seconds:g}"
+
+
 class UpstreamError(Exception):
     """An upstream call that failed, named by the error table: what the seam
-    (proxy.transport.aiohttp_client) raises for every transport failure, whatever the HTTP client."""
+    (proxy.transport.aiohttp_client) raises for every transport failure, whatever the HTTP client.
+    Its message is what the upstream did, in infertap's words, as it reads after the upstream's
+    name ("closed the connection", "is unreachable: connection refused")."""
 
     def __init__(self, kind: ErrorKind, status: int | None, message: str) -> None:
         super().__init__(message)

@@ -1,14 +1,21 @@
 """The one route table: the proxied OpenAI routes and what infertap knows about each.
 
-Pure (stdlib and proxy.core.sse). The app dispatches on it, the core parses and scans by it, and the
-observers label, name spans and count tokens by it; none of them keeps a list of its own.
+Pure (stdlib, proxy.core.sse and proxy.core.error_events). The app dispatches on it, the core
+parses, scans and ends failed streams by it, and the observers label, name spans and count tokens
+by it; none of them keeps a list of its own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from proxy.core.error_events import chat_error_event, responses_error_events
 from proxy.core.sse import ResponsesScanner, SSEScanner
+from proxy.core.stream_facts import StreamFacts
+
+# (message, kind, what the stream told so far) -> the bytes that end a committed stream in-band.
+ErrorEventBuilder = Callable[[str, str, StreamFacts | None], bytes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +32,8 @@ class Route:
     stream_options: bool = False
     # Scans a generation stream; None for routes whose answers are relayed without a look.
     scanner: type[SSEScanner] | None = None
+    # How a failure after commit is told inside the stream, in the shape this API's clients read.
+    error_event: ErrorEventBuilder = chat_error_event
     # The GenAI semantic conventions' `gen_ai.operation.name`; None: a plain HTTP span.
     operation: str | None = None
     # What the OpenAPI document says about it.
@@ -60,6 +69,7 @@ RESPONSES = Route(
     generation=True,
     json_body=True,
     scanner=ResponsesScanner,
+    error_event=responses_error_events,
     # The GenAI conventions have no name of their own for the Responses API.
     operation="chat",
     summary="The Responses API (streamed or not)",

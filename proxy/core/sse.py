@@ -132,7 +132,9 @@ class SSEScanner:
         return b"".join(parts), outputs
 
     def flush(self) -> bytes:
-        """Bytes left after the upstream's last complete event (an unterminated event)."""
+        """Bytes left after the upstream's last complete event (an unterminated event). The relay
+        never forwards them: a stream that ends there was cut mid-event, the SSE standard has
+        clients discard such a fragment, and an error event glued onto it would be garbage."""
         tail = bytes(self._tail)
         self._tail.clear()
         return tail
@@ -238,9 +240,3 @@ def _event_ends(chunk: bytes) -> list[int]:
         ends.append(i + 2)
         i = chunk.find(b"\n\n", i + 2)
     return ends
-
-
-def error_event(message: str, kind: str, code: str | None = None) -> bytes:
-    """An in-band SSE error event in the shape OpenAI uses, which its SDK raises on."""
-    body = {"error": {"message": message, "type": kind, "code": code or kind}}
-    return b"data: " + orjson.dumps(body) + b"\n\n"

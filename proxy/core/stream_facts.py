@@ -24,9 +24,19 @@ class StreamFacts:
     capture_chars: int = 0
     text: list[str] = field(default_factory=list)
     text_chars: int = 0
+    # The Responses API's: the response object its opening events announced (what a
+    # `response.failed` that infertap adds repeats), and what to add to the count of events to get
+    # the next `sequence_number` (the upstream's numbering, read off the events parsed; it counts
+    # every event, so the deltas in between need no parse).
+    response: dict[str, Any] | None = None
+    sequence_offset: int = 0
 
     def wants_text(self) -> bool:
         return self.text_chars < self.capture_chars
+
+    def next_sequence(self) -> int:
+        """The `sequence_number` an event infertap adds after the events so far should carry."""
+        return self.events + self.sequence_offset
 
 
 def usage_tokens(usage: dict[str, Any]) -> tuple[object, object]:
@@ -75,13 +85,18 @@ def absorb_response(facts: StreamFacts, obj: dict[str, Any]) -> None:
 def absorb_responses_event(facts: StreamFacts, obj: dict[str, Any]) -> None:
     """Take what a Responses API stream event tells: the response's id, model, usage and end."""
     kind = obj.get("type")
+    sequence = obj.get("sequence_number")
+    if isinstance(sequence, int):
+        facts.sequence_offset = sequence + 1 - facts.events
     if kind == "error":
         facts.error_events += 1
         return
     response = obj.get("response")
     if isinstance(response, dict):
         _absorb_identity(facts, response)
-        if kind in ("response.completed", "response.incomplete"):
+        if kind in ("response.created", "response.in_progress", "response.queued"):
+            facts.response = response
+        elif kind in ("response.completed", "response.incomplete"):
             facts.done = True
             _absorb_response_object(facts, response, text=False)  # the text came as deltas
         elif kind == "response.failed":

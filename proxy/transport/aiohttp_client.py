@@ -16,35 +16,68 @@ its reads and turns what it caught into an UpstreamError with `client.error(exc)
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 
 import aiohttp
 
-from proxy.core.errors import ErrorKind, UpstreamError, describe
+from proxy.core.errors import ErrorKind, UpstreamError
 from proxy.core.seam import Pool, Timeouts, UpstreamResponse
 
+log = logging.getLogger("infertap.transport")
+
 # Most specific first: aiohttp's exception classes form a hierarchy (its timeouts are also
-# TimeoutErrors, so they must be told apart from infertap's own deadlines before those are).
-_EXCEPTION_KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
-    (aiohttp.ConnectionTimeoutError, ErrorKind.CONNECT_TIMEOUT),
-    (aiohttp.SocketTimeoutError, ErrorKind.IDLE_TIMEOUT),
-    (aiohttp.ServerTimeoutError, ErrorKind.IDLE_TIMEOUT),
-    (aiohttp.ClientConnectorError, ErrorKind.CONNECT_ERROR),
-    (aiohttp.ServerDisconnectedError, ErrorKind.STREAM_INTERRUPTED),
-    (aiohttp.ClientPayloadError, ErrorKind.STREAM_INTERRUPTED),
-    (aiohttp.ClientResponseError, ErrorKind.UPSTREAM_5XX),
-    (aiohttp.ClientConnectionError, ErrorKind.STREAM_INTERRUPTED),
+# TimeoutErrors, so they must be told apart from infertap's own deadlines before those are). Each
+# says what the upstream did in infertap's words: a client reads these, and "SocketTimeoutError:
+# Timeout on reading data from socket" told it nothing it could act on.
+_CAUSES: tuple[tuple[type[BaseException], ErrorKind, str], ...] = (
+    (aiohttp.ConnectionTimeoutError, ErrorKind.CONNECT_TIMEOUT, "did not accept a connection in time"),
+    (aiohttp.ServerTimeoutError, ErrorKind.IDLE_TIMEOUT, "sent nothing within the idle timeout"),
+    (
+        aiohttp.ClientConnectorCertificateError,
+        ErrorKind.CONNECT_ERROR,
+        "is unreachable: its TLS certificate did not verify",
+    ),
+    (aiohttp.ClientSSLError, ErrorKind.CONNECT_ERROR, "is unreachable: the TLS handshake failed"),
+    (aiohttp.ClientConnectorDNSError, ErrorKind.CONNECT_ERROR, "is unreachable: its host does not resolve"),
+    (aiohttp.ClientConnectorError, ErrorKind.CONNECT_ERROR, "is unreachable"),
+    (aiohttp.InvalidURL, ErrorKind.CONNECT_ERROR, "is unreachable: the URL is not valid"),
+    (aiohttp.ServerDisconnectedError, ErrorKind.STREAM_INTERRUPTED, "closed the connection"),
+    # A body cut short: chunked encoding or Content-Length left unfinished when the connection closed.
+    (aiohttp.ClientPayloadError, ErrorKind.STREAM_INTERRUPTED, "closed the connection"),
+    (aiohttp.ClientResponseError, ErrorKind.UPSTREAM_5XX, "sent malformed HTTP"),
+    (aiohttp.ClientOSError, ErrorKind.STREAM_INTERRUPTED, "broke the connection"),
+    (aiohttp.ClientConnectionError, ErrorKind.STREAM_INTERRUPTED, "broke the connection"),
 )
+# The two generic socket failures add the operating system's words: "is unreachable: connection
+# refused", "broke the connection (connection reset by peer)".
+_WITH_OS_REASON = {aiohttp.ClientConnectorError: ": {}", aiohttp.ClientOSError: " ({})"}
 
 
 def classify(exc: BaseException) -> ErrorKind:
+    return _error(exc).kind
+
+
+def _error(exc: BaseException) -> UpstreamError:
     if isinstance(exc, UpstreamError):
-        return exc.kind
-    for exc_type, kind in _EXCEPTION_KINDS:
+        return exc
+    for exc_type, kind, what in _CAUSES:
         if isinstance(exc, exc_type):
-            return kind
-    return ErrorKind.UPSTREAM_5XX
+            suffix = _WITH_OS_REASON.get(exc_type)
+            reason = _os_reason(getattr(exc, "os_error", exc)) if suffix else ""
+            return UpstreamError(kind, None, what + suffix.format(reason) if reason and suffix else what)
+    # Not one of aiohttp's: a bug here or there. The class name goes to infertap's log for whoever
+    # fixes it; the client still reads infertap's words.
+    log.warning("unexpected exception from the upstream client: %s", type(exc).__name__)
+    return UpstreamError(ErrorKind.UPSTREAM_5XX, None, "failed in a way infertap does not know")
+
+
+def _os_reason(err: BaseException) -> str:
+    """The operating system's words for a socket error ("connection refused"), or ""."""
+    code = getattr(err, "errno", None)
+    return os.strerror(code).lower() if isinstance(code, int) and code > 0 else ""
 
 
 class _StampedRequest(aiohttp.ClientRequest):
@@ -108,12 +141,6 @@ class _Response:
             self._slot = None
 
 
-def _error(exc: BaseException) -> UpstreamError:
-    if isinstance(exc, UpstreamError):
-        return exc
-    return UpstreamError(classify(exc), None, describe(exc))
-
-
 class AiohttpClient:
     """One aiohttp session, with a pool per upstream. Must be created inside the running event loop.
 
@@ -172,8 +199,8 @@ class AiohttpClient:
             raise UpstreamError(
                 ErrorKind.POOL_TIMEOUT,
                 None,
-                f"all {limit} connections to it were busy for {timeouts.pool:g} s "
-                "(raise its max_connections, or [timeouts] pool)",
+                f"had all {limit} of its connections busy for {timeouts.pool:g} s (pool timeout: raise "
+                "its max_connections, or [timeouts] pool)",
             ) from None
         return slot
 
@@ -212,8 +239,10 @@ class AiohttpClient:
                 url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout), allow_redirects=False
             ) as r:
                 return r.status, await r.read()
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except aiohttp.ClientError as e:
             raise _error(e) from e
+        except TimeoutError as e:  # the whole call's deadline (aiohttp's own are ClientErrors too)
+            raise UpstreamError(ErrorKind.TOTAL_TIMEOUT, None, f"did not answer within {timeout:g} s") from e
 
     def error(self, exc: BaseException) -> UpstreamError:
         return _error(exc)

@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from proxy.core.asgi import RawHeaders
-from proxy.core.errors import ERRORS, ErrorKind, UpstreamError
+from proxy.core.error_bodies import MAX_ERROR_BODY, openai_error_body
+from proxy.core.errors import ERRORS, ErrorKind, Phase, UpstreamError, failure_message
 from proxy.core.exchange import Exchange
 from proxy.core.hooks import ObserverSet
 from proxy.core.model_routing import RETRYABLE_STATUS, Upstream
@@ -40,6 +41,11 @@ class Call:
     committed_sse: bool = False  # what was committed can carry an in-band error event
     # The routed upstream and its fallbacks, fixed at intake: a reload changes new requests only.
     plan: list[Upstream] = field(default_factory=list)
+    scanner: SSEScanner | None = None  # the committed stream's: what an in-band error builds on
+
+    def error_event(self, message: str, kind: str) -> bytes:
+        """The in-band error that ends this committed stream, in its route's shape."""
+        return self.route.error_event(message, kind, None if self.scanner is None else self.scanner.facts)
 
 
 @dataclass(slots=True)
@@ -52,7 +58,8 @@ class Ready:
     pending: list[bytes] = field(default_factory=list)
     outputs: int = 0
     first_output_at: float | None = None  # when the bytes holding the first output event arrived
-    prefetched: bytes | None = None
+    prefetched: bytes | None = None  # the whole body, already read
+    reshaped: bool = False  # `prefetched` is infertap's OpenAI-shaped rewrite of an error body
 
 
 @dataclass(slots=True)
@@ -102,6 +109,7 @@ class Attempter:
         generation_stream = ex.stream and scanner_type is not None
         resp: UpstreamResponse | None = None
         ready: Ready | None = None
+        phase = Phase.HEADERS
         try:
             async with asyncio.timeout(up.ttft_timeout if generation_stream else None):
                 resp = await self.client.send(
@@ -117,12 +125,13 @@ class Attempter:
                 ex.status_code = status = resp.status
                 ex.first_byte_at = time.perf_counter()
                 obs.first_byte(ex)
+                phase = Phase.FIRST_TOKEN if generation_stream and status == 200 else Phase.RESPONSE
                 if status in RETRYABLE_STATUS and not last:
                     kind = ErrorKind.UPSTREAM_429 if status == 429 else ErrorKind.UPSTREAM_5XX
                     return Failure(
                         kind,
                         status,
-                        f"upstream '{up.name}' answered HTTP {status}",
+                        f"upstream '{up.name}' ({up.display_url}) answered HTTP {status}",
                         retry_after(resp.headers.get("retry-after")),
                     )
                 if status == 400 and ex.usage_injected:
@@ -138,12 +147,17 @@ class Attempter:
                         return Failure(
                             ErrorKind.STREAM_OPTIONS,
                             400,
-                            f"upstream '{up.name}' rejects stream_options: asking again without it",
+                            f"upstream '{up.name}' ({up.display_url}) rejects stream_options: "
+                            "asking again without it",
                         )
-                    ready = Ready(resp, _empty(), prefetched=content)
+                    ready = _error_answer(resp, up, content, None)
                     return ready
                 chunks = resp.chunks()
                 is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+                if status >= 400 and not is_sse and ex.method != "HEAD":
+                    content, more = await _read_error(chunks)
+                    ready = _error_answer(resp, up, content, more)
+                    return ready
                 if scanner_type is None or not (generation_stream and status == 200 and is_sse):
                     ready = Ready(resp, chunks)
                     return ready
@@ -158,15 +172,10 @@ class Attempter:
             kind = err.kind
             if kind is ErrorKind.IDLE_TIMEOUT:
                 kind = ErrorKind.TTFT_TIMEOUT  # nothing relayed yet: still waiting for the first token
-            info = ERRORS[kind]
-            return Failure(kind, info.status, f"upstream '{up.name}' ({ex.upstream_url}) {info.what}: {err}")
+            return Failure(kind, ERRORS[kind].status, say(up, err, phase))
         except TimeoutError:
-            return Failure(
-                ErrorKind.TTFT_TIMEOUT,
-                504,
-                f"upstream '{up.name}' ({ex.upstream_url}) sent no token within the "
-                f"ttft timeout of {up.ttft_timeout} s",
-            )
+            kind = ErrorKind.TTFT_TIMEOUT
+            return Failure(kind, 504, failure_message(up.name, up.display_url, kind, "", "", up.ttft_timeout))
         finally:
             if resp is not None and ready is None:
                 resp.close()  # unread: drop the connection rather than return it to the pool
@@ -189,6 +198,51 @@ class Attempter:
                     ready.first_output_at = arrived
                 break
         return ready
+
+
+def say(up: Upstream, err: UpstreamError, phase: str) -> str:
+    """The message for `err` on `up` (its cause, where the request stood, the timeout that ran out)."""
+    seconds = {
+        "connect": up.timeout.connect,
+        "idle": up.timeout.idle,
+        "ttft": up.ttft_timeout,
+        "total": up.total_timeout,
+    }.get(ERRORS[err.kind].timeout_phase or "")
+    return failure_message(up.name, up.display_url, err.kind, err.message, phase, seconds)
+
+
+async def _read_error(chunks: AsyncIterator[bytes]) -> tuple[bytes, AsyncIterator[bytes] | None]:
+    """An error answer's body, whole (and None), or, past MAX_ERROR_BODY, what was read and the rest."""
+    parts: list[bytes] = []
+    size = 0
+    async for data in chunks:
+        parts.append(data)
+        size += len(data)
+        if size > MAX_ERROR_BODY:
+            return b"".join(parts), chunks
+    return b"".join(parts), None
+
+
+def _error_answer(
+    resp: UpstreamResponse, up: Upstream, content: bytes, more: AsyncIterator[bytes] | None
+) -> Ready:
+    """An error answer to relay: in OpenAI's shape where the engine used another, so that the
+    client's SDK shows the engine's message (an encoded or oversized body goes as it came)."""
+    if more is not None:
+        return Ready(resp, _chain(content, more))
+    shaped = None
+    if resp.headers.get("content-encoding", "identity").lower() in ("", "identity"):
+        content_type = resp.headers.get("content-type", "").lower()
+        shaped = openai_error_body(resp.status, content_type, content, up.name, up.api_key)
+    if shaped is None:
+        return Ready(resp, _empty(), prefetched=content)
+    return Ready(resp, _empty(), prefetched=shaped, reshaped=True)
+
+
+async def _chain(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for data in rest:
+        yield data
 
 
 async def _empty() -> AsyncIterator[bytes]:

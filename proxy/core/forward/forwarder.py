@@ -30,12 +30,18 @@ from proxy.core.asgi import (
     send_error,
 )
 from proxy.core.circuit import PANIC, Permit
-from proxy.core.errors import ERRORS, ErrorKind, outcome_of
+from proxy.core.errors import ERRORS, ErrorKind, Phase, outcome_of
 from proxy.core.exchange import Exchange, Outcome
-from proxy.core.forward.attempts import Attempter, Call, Failure, Ready
+from proxy.core.forward.attempts import Attempter, Call, Failure, Ready, say
 from proxy.core.forward.intake import RequestRejected, fill_record, parse_request, with_usage
 from proxy.core.forward.lifetime import guarded
-from proxy.core.forward.relay import relay_committed, response_headers, status_outcome, take_facts
+from proxy.core.forward.relay import (
+    relay_committed,
+    response_headers,
+    status_outcome,
+    take_facts,
+    whole_body_headers,
+)
 from proxy.core.headers import forwarded_headers
 from proxy.core.hooks import ObserverSet
 from proxy.core.model_routing import ModelRouter, Upstream
@@ -43,7 +49,6 @@ from proxy.core.paths import PathRejected, passthrough_suffix
 from proxy.core.request_ids import RequestIds
 from proxy.core.route_table import OTHER, Route
 from proxy.core.seam import UpstreamClient
-from proxy.core.sse import error_event
 from proxy.core.stream_facts import StreamFacts
 from proxy.settings import DEFAULT_PROMPT_CLASS_BOUNDS
 
@@ -236,14 +241,18 @@ class Forwarder:
                     if isinstance(result, Ready):
                         status = result.resp.status
                         self._health(
-                            ex, up, permit, status < 500, f"upstream '{up.name}' answered HTTP {status}"
+                            ex,
+                            up,
+                            permit,
+                            status < 500,
+                            f"upstream '{up.name}' ({up.display_url}) answered HTTP {status}",
                         )
                     elif result.kind is not ErrorKind.POOL_TIMEOUT:  # no call went: nothing to judge
                         self._health(ex, up, permit, not ERRORS[result.kind].unhealthy, result.message)
                 finally:
                     up.breaker.release(permit)
                 if isinstance(result, Ready):
-                    await self._commit(send, call, result, watcher)
+                    await self._commit(send, call, up, result, watcher)
                     return
                 failure = result
                 ex.attempt_failed_at = time.perf_counter()
@@ -307,7 +316,9 @@ class Forwarder:
             self.observers.upstream_health(ex, up.name, now_up)
 
     # -- commit and relay -------------------------------------------------------------------
-    async def _commit(self, send: Send, call: Call, ready: Ready, watcher: asyncio.Task[None]) -> None:
+    async def _commit(
+        self, send: Send, call: Call, up: Upstream, ready: Ready, watcher: asyncio.Task[None]
+    ) -> None:
         ex, resp = call.ex, ready.resp
         is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
         facts = StreamFacts()
@@ -316,13 +327,11 @@ class Forwarder:
         try:
             call.committed = True
             call.committed_sse = is_sse
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": resp.status,
-                    "headers": response_headers(resp.raw_headers, is_sse, call.rid),
-                }
-            )
+            call.scanner = ready.scanner
+            headers = response_headers(resp.raw_headers, is_sse, call.rid)
+            if ready.prefetched is not None:
+                headers = whole_body_headers(headers, ready.prefetched, ready.reshaped)
+            await send({"type": "http.response.start", "status": resp.status, "headers": headers})
             facts, outcome = await relay_committed(send, call, ready, self.observers, outcome)
             read_all = True
         except self.attempter.errors as e:
@@ -330,7 +339,7 @@ class Forwarder:
             kind = err.kind
             if kind not in (ErrorKind.IDLE_TIMEOUT, ErrorKind.TTFT_TIMEOUT):
                 kind = ErrorKind.STREAM_INTERRUPTED
-            msg = f"upstream '{ex.upstream}' failed mid-response: {err}"
+            msg = say(up, err, Phase.RESPONSE)
             if ready.scanner is not None:
                 facts = ready.scanner.facts
             take_facts(ex, facts)
@@ -340,7 +349,7 @@ class Forwarder:
                 return
             watcher.cancel()
             await send(
-                {"type": "http.response.body", "more_body": False, "body": error_event(msg, kind.value)}
+                {"type": "http.response.body", "more_body": False, "body": call.error_event(msg, kind.value)}
             )
             self.end(ex, outcome_of(kind), error=msg)
             return

@@ -11,10 +11,9 @@ import time
 from typing import Any, Protocol
 
 from proxy.core.asgi import Receive, Send, send_error, watch_disconnect
-from proxy.core.errors import ERRORS, ErrorKind, describe
+from proxy.core.errors import ERRORS, ErrorKind, Phase, describe, failure_message
 from proxy.core.exchange import Exchange, Outcome
 from proxy.core.forward.attempts import Call
-from proxy.core.sse import error_event
 
 log = logging.getLogger("infertap.lifetime")
 
@@ -56,7 +55,16 @@ async def guarded(runner: Runner, receive: Receive, send: Send, call: Call) -> N
         async with asyncio.timeout(None if total is None else total - (time.perf_counter() - ex.received_at)):
             await runner.run(send, call, watcher)
     except TimeoutError:
-        msg = f"the request took longer than the total timeout of {total} s"
+        # The upstream of the attempt under way (or the last one) is the one that ran out the clock.
+        phase = Phase.RESPONSE if call.committed else Phase.FIRST_TOKEN if ex.stream else Phase.HEADERS
+        msg = failure_message(
+            ex.upstream or call.upstream.name,
+            ex.upstream_url or call.upstream.display_url,
+            ErrorKind.TOTAL_TIMEOUT,
+            "",
+            phase,
+            total,
+        )
         kind, status, outcome = (
             ErrorKind.TOTAL_TIMEOUT,
             ERRORS[ErrorKind.TOTAL_TIMEOUT].status,
@@ -73,7 +81,7 @@ async def guarded(runner: Runner, receive: Receive, send: Send, call: Call) -> N
                 {
                     "type": "http.response.body",
                     "more_body": False,
-                    "body": error_event(msg, kind.value),
+                    "body": call.error_event(msg, kind.value),
                 }
             )
         else:
@@ -116,7 +124,7 @@ async def _shutdown_end(runner: Runner, send: Send, call: Call) -> None:
                     {
                         "type": "http.response.body",
                         "more_body": False,
-                        "body": error_event(msg, outcome.value),
+                        "body": call.error_event(msg, outcome.value),
                     }
                 )
     except (TimeoutError, OSError, RuntimeError):

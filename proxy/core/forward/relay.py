@@ -13,7 +13,7 @@ from proxy.core.forward.attempts import Call, Ready
 from proxy.core.forward.intake import MAX_JSON_CAPTURE
 from proxy.core.headers import DROP_RESPONSE
 from proxy.core.hooks import ObserverSet
-from proxy.core.sse import SSEScanner, error_event
+from proxy.core.sse import SSEScanner
 from proxy.core.stream_facts import StreamFacts, absorb_response, usage_details, usage_tokens
 
 # Set on every stream below: the upstream's own copies would be sent twice (sse-starlette sends one).
@@ -32,6 +32,16 @@ def response_headers(raw: Iterable[tuple[bytes, bytes]], is_sse: bool, rid: RawH
         headers.append((b"cache-control", b"no-cache"))
         headers.append((b"x-accel-buffering", b"no"))
     headers.extend(rid)
+    return headers
+
+
+def whole_body_headers(headers: RawHeaders, body: bytes, reshaped: bool) -> RawHeaders:
+    """The headers for a body infertap holds whole: its length and, where infertap rewrote it into
+    an OpenAI-shaped error, JSON's content type."""
+    if reshaped:
+        headers = [(k, v) for k, v in headers if k != b"content-type"]
+        headers.append((b"content-type", b"application/json"))
+    headers.append((b"content-length", str(len(body)).encode()))
     return headers
 
 
@@ -58,9 +68,13 @@ async def relay_committed(
     if facts.error_events:
         return facts, Outcome.UPSTREAM_ERROR
     if not facts.done:
-        msg = f"upstream '{ex.upstream}' ended the stream without {scanner.END}: the answer is incomplete"
+        msg = (
+            f"upstream '{ex.upstream}' ({ex.upstream_url}) ended the stream without {scanner.END}: "
+            "the answer is incomplete"
+        )
         outcome = Outcome.STREAM_INTERRUPTED
-        await send({"type": "http.response.body", "more_body": True, "body": error_event(msg, outcome.value)})
+        event = call.error_event(msg, outcome.value)
+        await send({"type": "http.response.body", "more_body": True, "body": event})
         ex.error_message = msg
     return facts, outcome
 
@@ -87,27 +101,24 @@ async def relay_sse(
     """The hot loop: one scan, one send and, for output events, a timestamp and a hook.
 
     The first answer event (not reasoning) is stamped too; the events held before commit were
-    stamped at one instant, so an answer among them takes that instant.
+    stamped at one instant, so an answer among them takes that instant. Only complete events are
+    sent: whatever the upstream left unterminated when it stopped stays behind in the scanner, so
+    the in-band error that may follow starts on an event boundary.
     """
     perf = time.perf_counter
     facts = scanner.facts
     if facts.answered and ex.first_answer_at is None:
         ex.first_answer_at = ex.last_token_at
-    try:
-        async for data in chunks:
-            out, outputs = scanner.feed(data)
-            if not out:
-                continue
-            await send({"type": "http.response.body", "body": out, "more_body": True})
-            if outputs:
-                now = perf()
-                stamp_outputs(ex, obs, outputs, now)
-                if ex.first_answer_at is None and facts.answered:
-                    ex.first_answer_at = now
-    finally:
-        tail = scanner.flush()
-        if tail:
-            await send({"type": "http.response.body", "body": tail, "more_body": True})
+    async for data in chunks:
+        out, outputs = scanner.feed(data)
+        if not out:
+            continue
+        await send({"type": "http.response.body", "body": out, "more_body": True})
+        if outputs:
+            now = perf()
+            stamp_outputs(ex, obs, outputs, now)
+            if ex.first_answer_at is None and facts.answered:
+                ex.first_answer_at = now
 
 
 async def relay_body(
