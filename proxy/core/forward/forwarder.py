@@ -343,6 +343,13 @@ class Forwarder:
             if ready.scanner is not None:
                 facts = ready.scanner.facts
             take_facts(ex, facts)
+            if is_sse and facts.done and not facts.error_events:
+                # The stream was whole (its end marker relayed): what broke is the connection after
+                # it, which a client cannot tell from a clean end. Nothing appended; it went well.
+                watcher.cancel()
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                self.end(ex, outcome)
+                return
             if not is_sse:
                 # Ending a plain body early would look complete; an aborted connection does not.
                 self.end(ex, outcome_of(kind), error=msg)

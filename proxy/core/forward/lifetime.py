@@ -14,6 +14,8 @@ from proxy.core.asgi import Receive, Send, send_error, watch_disconnect
 from proxy.core.errors import ERRORS, ErrorKind, Phase, describe, failure_message
 from proxy.core.exchange import Exchange, Outcome
 from proxy.core.forward.attempts import Call
+from proxy.core.forward.relay import take_facts
+from proxy.core.stream_facts import StreamFacts
 
 log = logging.getLogger("infertap.lifetime")
 
@@ -55,6 +57,13 @@ async def guarded(runner: Runner, receive: Receive, send: Send, call: Call) -> N
         async with asyncio.timeout(None if total is None else total - (time.perf_counter() - ex.received_at)):
             await runner.run(send, call, watcher)
     except TimeoutError:
+        whole = _whole(call)
+        if whole is not None:  # the deadline fell after the stream's end marker: nothing is missing
+            watcher.cancel()
+            take_facts(ex, whole)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            runner.end(ex, Outcome.OK)
+            return
         # The upstream of the attempt under way (or the last one) is the one that ran out the clock.
         phase = Phase.RESPONSE if call.committed else Phase.FIRST_TOKEN if ex.stream else Phase.HEADERS
         msg = failure_message(
@@ -100,6 +109,13 @@ async def guarded(runner: Runner, receive: Receive, send: Send, call: Call) -> N
                 raise
             return
         task.uncancel()
+        whole = _whole(call)
+        if whole is not None:
+            # It left after the stream's end marker: it has the whole answer (a client may close at
+            # [DONE] without waiting for the body's last empty chunk). That request went well.
+            take_facts(ex, whole)
+            runner.end(ex, Outcome.OK)
+            return
         runner.end(ex, Outcome.CLIENT_DISCONNECT, 499, "the client disconnected")
     except Exception as e:
         log.exception("request %s failed inside infertap", ex.request_id)
@@ -130,3 +146,12 @@ async def _shutdown_end(runner: Runner, send: Send, call: Call) -> None:
     except (TimeoutError, OSError, RuntimeError):
         pass
     runner.end(call.ex, outcome, 503, msg)
+
+
+def _whole(call: Call) -> StreamFacts | None:
+    """The committed stream's facts when its end marker ([DONE], response.completed) was relayed
+    without an error event: the client has the whole answer, whatever happens to the connection."""
+    scanner = call.scanner if call.committed else None
+    if scanner is None or not scanner.facts.done or scanner.facts.error_events:
+        return None
+    return scanner.facts
