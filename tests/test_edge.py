@@ -20,7 +20,7 @@ from proxy.app import create_app
 from proxy.server.edge import EdgeProtocol
 from proxy.settings import AuthSettings, Settings
 from proxy.tools.fake_upstream import FakeUpstream
-from tests.conftest import CHAT, make_settings, serve_in_thread
+from tests.conftest import CHAT, RecordingObserver, make_settings, serve_in_thread, wait_until
 
 KEYS_ENV = "INFERTAP_TEST_EDGE_KEYS"
 
@@ -203,6 +203,48 @@ def test_expect_100_continue_is_answered_at_the_edge_and_never_forwarded(
             answer += chunk
     assert b"HTTP/1.1 200 " in answer
     assert "expect" not in {k.lower() for k in upstream.requests[-1].headers}
+
+
+def test_a_stalled_body_gets_408_within_its_deadline(fake: tuple[FakeUpstream, str]) -> None:
+    """Every phase of a request has a deadline (issue 24, item 3): the head (above), the body here,
+    the upstream's phases (test_error_messages.py), a client that stops reading (below)."""
+    upstream, url = fake
+    with proxy(url, body_timeout=0.3) as (_, port):
+        lines = [
+            b"authorization: Bearer sk-edge-test",
+            b"content-type: application/json",
+            b"content-length: 100",
+        ]
+        answer = exchange(port, head(lines) + b'{"model": ')
+    assert answer.startswith(b"HTTP/1.1 408 ") and b"did not arrive within 0.3 s" in answer, answer[:300]
+    assert upstream.requests == []
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_its_upstream_cancelled(
+    fake: tuple[FakeUpstream, str],
+) -> None:
+    upstream, url = fake
+    rec = RecordingObserver()
+    settings = make_settings(("fake", url))
+    settings.server = settings.server.model_copy(update={"write_timeout": 0.5})
+    body = httpx.Request("POST", "http://x", json={**CHAT, "stream": True}).content
+    lines = [
+        b"content-type: application/json",
+        b"content-length: %d" % len(body),
+        b"x-request-id: stops-reading",
+        b"x-fake-events: 5000",
+        b"x-fake-event-bytes: 20000",
+    ]
+    with serve_in_thread(create_app(settings, [rec])) as base:
+        port = int(base.rsplit(":", 1)[1])
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.settimeout(10)
+            s.connect(("127.0.0.1", port))
+            s.sendall(head(lines) + body)  # and never read the answer
+            ex = rec.wait_terminal("stops-reading", timeout=30)
+            assert ex.outcome == "client_disconnect"
+            wait_until(upstream.disconnected.is_set, 10, "the upstream request to be cancelled")
 
 
 def test_the_uvicorn_internals_the_edge_builds_on() -> None:

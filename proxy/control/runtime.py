@@ -97,6 +97,7 @@ class Runtime:
             s.max_concurrency,
             self.settings.circuit.when_all_open,
             self.request_ids,
+            s.body_timeout,
         )
         checker = UpstreamChecker(routing, client, s.upstream_check_interval, s.upstream_check_timeout)
         drain = Drain(s.drain_delay, s.drain_timeout, forwarder.shut_down)

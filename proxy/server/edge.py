@@ -8,6 +8,10 @@ checked, for every route.
 - A deadline for the head (`head_timeout`), from a connection's first byte or the first byte of its
   next request, to the end of the head: slowloris and silent connections are closed (408).
 - A cap on open connections (`max_connections`): one more is answered 503 and closed at once.
+- A client that stops reading: once its socket's buffer is full, an answer waits at most
+  `write_timeout` for it to drain, then the connection is aborted (the request ends as a client
+  disconnect, and its upstream request is cancelled). No cost per chunk: the timer runs only while
+  writing is paused.
 
 `Expect: 100-continue` is answered here, as uvicorn does, when the application first reads the body;
 the header itself never goes upstream (proxy/core/headers.py drops it).
@@ -57,6 +61,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._head_seen = 0
         self._headers_seen = 0
         self._head_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
 
     # -- the connection ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -73,7 +78,30 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
         super().connection_lost(exc)
+
+    # -- a client that stops reading ---------------------------------------------------------
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.limits.write_timeout, self._write_stalled)
+
+    def resume_writing(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+        super().resume_writing()
+
+    def _write_stalled(self) -> None:
+        self._write_timer = None
+        log.warning(
+            "a client read nothing for %g s (write_timeout): its connection is aborted",
+            self.limits.write_timeout,
+        )
+        self.transport.abort()  # close() would wait for a buffer that never drains
 
     def _refuse(self, status: int, message: str, code: str) -> None:
         self._disarm_head_timer()

@@ -52,6 +52,12 @@ class ServerSettings(_Section):
         gt=0,
         description="seconds for a request's head to arrive, from its first byte; then 408",
     )
+    body_timeout: float = Field(
+        default=60.0, gt=0, description="seconds for a request's body to arrive, once its head has; then 408"
+    )
+    write_timeout: float = Field(
+        default=60.0, gt=0, description="seconds a client may leave a full socket buffer unread; then aborted"
+    )
     max_connections: int = Field(
         default=8192, ge=1, description="open client connections per worker; one more is answered 503"
     )

@@ -66,7 +66,9 @@ class Forwarder:
         max_concurrency: int = 0,
         when_all_open: str = "send",
         request_ids: RequestIds | None = None,
+        body_timeout: float | None = None,
     ) -> None:
+        self.body_timeout = body_timeout
         self.routing = routing
         self.attempter = Attempter(client, observers)
         self.observers = observers
@@ -132,7 +134,14 @@ class Forwarder:
         suffix: str,
     ) -> None:
         try:
-            body = await read_body(receive, self.max_body_bytes)
+            async with asyncio.timeout(self.body_timeout):
+                body = await read_body(receive, self.max_body_bytes)
+        except TimeoutError:
+            # A body that trickles in (or never comes) holds a connection and a task: it has a deadline
+            # of its own, as the head has at the edge.
+            msg = f"the request body did not arrive within {self.body_timeout:g} s"
+            await self._reject(send, ex, rid, 408, msg, "request_timeout")
+            return
         except ClientGone:
             # Counted and logged like any request: it reached infertap, and its client left.
             self.observers.request_received(ex)
