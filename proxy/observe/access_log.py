@@ -91,9 +91,32 @@ def _logfmt_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     text = str(v)
-    if not text or any(c in text for c in ' "=\\') or not text.isprintable():
-        return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-    return text
+    if text and text.isprintable() and not any(c in text for c in ' "=\\'):
+        return text
+    return '"' + "".join(_LOGFMT_ESCAPES.get(c) or _printable(c) for c in text) + '"'
+
+
+_LOGFMT_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _printable(c: str) -> str:
+    """`c`, or its escape when it is not printable (CR, ESC, NEL, U+2028, a bidi override...): a
+    client's string can never start a new log line or restyle a terminal. Valid in JSON strings too."""
+    if c.isprintable():
+        return c
+    n = ord(c)
+    if n <= 0xFFFF:
+        return f"\\u{n:04x}"
+    n -= 0x10000
+    return f"\\u{0xD800 + (n >> 10):04x}\\u{0xDC00 + (n & 0x3FF):04x}"
+
+
+def _json_line(record: dict[str, Any]) -> str:
+    line = orjson.dumps(record).decode()
+    # orjson escapes the ASCII control characters; NEL, U+2028 and the like it writes as they are.
+    if not line.isascii() and not line.isprintable():
+        line = "".join(map(_printable, line))
+    return line
 
 
 class AccessLog(Observer):
@@ -115,5 +138,5 @@ class AccessLog(Observer):
 
     def _line(self, record: dict[str, Any]) -> str:
         if self.fmt == "json":
-            return orjson.dumps(record).decode()
+            return _json_line(record)
         return " ".join(f"{k}={_logfmt_value(v)}" for k, v in record.items() if v is not None)
