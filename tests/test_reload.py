@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from proxy.app import create_app
-from proxy.settings import load_settings
+from proxy.settings import AuthSettings, Settings, load_settings
 from proxy.tools.fake_upstream import FakeUpstream
-from tests.conftest import free_port, serve_in_thread, serve_process, wait_until
+from tests.conftest import CHAT, free_port, make_settings, serve_in_thread, serve_process, wait_until
 
 ADMIN = {"authorization": "Bearer adm"}
 ENV = {
@@ -309,3 +309,37 @@ def test_sighup_and_the_admin_port_on_a_real_process(tmp_path: Path, fake: tuple
         assert "timeouts.idle" in log.read_text()
         assert proc.poll() is None
         assert httpx.get(admin, headers=ADMIN).json()["config"]["timeouts"]["idle"] == 7.0
+
+
+def test_a_reload_that_would_open_the_proxy_is_refused_unless_the_file_says_so(
+    fake: tuple[FakeUpstream, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (issue 24, item 16): a reloaded file without `[auth] keys_env` opened the proxy to
+    everyone; the only sign was one log line. Now the reload is refused (the running configuration
+    stays) unless the file says `[auth] open = true`; /status says when the proxy is open."""
+    _, url = fake
+    monkeypatch.setenv("INFERTAP_TEST_OPEN_KEYS", "sk-client")
+    monkeypatch.setenv("INFERTAP_TEST_OPEN_ADMIN", "admin-token")
+    keyed = make_settings(("fake", url))
+    keyed.auth = AuthSettings(keys_env="INFERTAP_TEST_OPEN_KEYS", admin_token_env="INFERTAP_TEST_OPEN_ADMIN")
+    next_file: list[Settings] = []
+    admin = {"authorization": "Bearer admin-token"}
+    with serve_in_thread(create_app(keyed, reload=lambda: next_file[-1])) as proxy:
+        assert httpx.get(proxy + "/status").json()["open"] is False
+        for auth in (
+            AuthSettings(admin_token_env="INFERTAP_TEST_OPEN_ADMIN"),  # client keys dropped
+            AuthSettings(keys_env="INFERTAP_TEST_OPEN_KEYS"),  # the admin token dropped
+        ):
+            next_file.append(keyed.model_copy(update={"auth": auth}))
+            r = httpx.post(proxy + "/admin/reload", headers=admin)
+            assert r.status_code == 400 and "open = true" in r.json()["error"]["message"], r.text
+            chat = httpx.post(proxy + "/v1/chat/completions", json=CHAT)
+            assert chat.status_code == 401  # the running configuration stayed
+        next_file.append(
+            keyed.model_copy(
+                update={"auth": AuthSettings(admin_token_env="INFERTAP_TEST_OPEN_ADMIN", open=True)}
+            )
+        )
+        assert httpx.post(proxy + "/admin/reload", headers=admin).status_code == 200
+        assert httpx.post(proxy + "/v1/chat/completions", json=CHAT).status_code == 200
+        assert httpx.get(proxy + "/status").json()["open"] is True

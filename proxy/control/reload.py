@@ -123,12 +123,27 @@ def merged(current: Settings, loaded: Settings) -> tuple[Settings, list[str], li
 def build(current: Settings, loaded: Settings) -> Built:
     """Everything `loaded` would run on, checked: raises ConfigError (the field named) when it cannot."""
     settings, applied, restart = merged(current, loaded)
+    opened = _opens(current, settings)
+    if opened and not settings.auth.open:
+        raise ConfigError(
+            f"the reloaded configuration turns {opened} off, which opens the proxy: the running "
+            "configuration stays. Say so with `[auth] open = true` if that is what you want"
+        )
     access = Access.from_settings(settings)
     try:
         routing = ModelRouter.from_settings(settings)
     except (ValueError, KeyError) as e:
         raise ConfigError(f"invalid configuration (upstreams): {e}") from None
     return Built(settings, access, routing, applied, restart)
+
+
+def _opens(current: Settings, new: Settings) -> str | None:
+    """What protection `new` drops that `current` has: client keys, or the admin token."""
+    if (current.auth.keys_env or current.auth.keys_file) and not (new.auth.keys_env or new.auth.keys_file):
+        return "client keys ([auth] keys_env / keys_file)"
+    if current.auth.admin_token_env and not new.auth.admin_token_env:
+        return "the admin token ([auth] admin_token_env)"
+    return None
 
 
 def adopt_published(start: Settings, peers: Peers) -> Settings:

@@ -178,7 +178,10 @@ class Runtime:
     def status(self) -> dict[str, Any]:
         """GET /status's answer: each upstream's background check and circuit."""
         ready, _ = self.ready()
-        return self.checker.status(self.drain.draining, ready)
+        status = self.checker.status(self.drain.draining, ready)
+        # Whether anyone who reaches the port may use the upstreams' keys: worth seeing at a glance.
+        status["open"] = self.access.client_keys is None
+        return status
 
     async def model_union(self) -> ModelUnion:
         """GET /v1/models's answer: the upstreams' lists, fetched at most models_cache_seconds ago."""

@@ -160,6 +160,11 @@ class AuthSettings(_Section):
         description="env variable with the bearer token that the operator API (/admin/*) requires; "
         "unset: the operator API is off",
     )
+    open: bool = Field(
+        default=False,
+        description="say so to serve without client keys, or without the admin token, after a reload "
+        "that removes them (a reload that would open the proxy is refused without it)",
+    )
 
 
 class MetricsSettings(_Section):
