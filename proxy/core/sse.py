@@ -156,6 +156,15 @@ class SSEScanner:
         it. The top-level member is the last `"usage": null` (nested objects come before it: the
         engines write `usage` after `choices`). An engine that writes every field, null or not,
         writes it unasked (SGLang: its chunks carry `matched_stop`): there nothing was added."""
+        if self._native_null:
+            return event
+        i = event.rfind(b',"usage":null')
+        if i >= 0 and event[i + 13] in b",}":  # compact, after another member: OpenAI's and vLLM's
+            if self._native_null is None:
+                self._native_null = b'"matched_stop"' in event
+                if self._native_null:
+                    return event
+            return event[:i] + event[i + 13 :]
         i = event.rfind(b'"usage"')
         m = None
         while i >= 0:
@@ -167,8 +176,8 @@ class SSEScanner:
             return event
         if self._native_null is None:
             self._native_null = b'"matched_stop"' in event
-        if self._native_null:
-            return event
+            if self._native_null:
+                return event
         k = i - 1
         while k >= 0 and event[k] in b" \t":
             k -= 1
