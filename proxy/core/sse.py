@@ -2,7 +2,8 @@
 
 Pure: bytes in, bytes out. It finds event boundaries across arbitrary upstream chunks,
 tells which events carry output text, extracts the usage object, and can strip the
-usage-only chunk that infertap itself asked for. Byte searches decide almost everything;
+usage-only chunk and the `"usage":null` members that infertap's request for usage added.
+Byte searches decide almost everything;
 JSON is parsed only for the few events that need it (the first one, the usage one, and
 any that carries a finish reason).
 """
@@ -40,6 +41,10 @@ _NONEMPTY_STRING = re.compile(rb'\s*:\s*"(?!")')
 # The Responses API streams its output as `*.delta` events whose `delta` is a string (in chat
 # completions `delta` is always an object, so this never matches there).
 _DELTA_TEXT = re.compile(rb'"delta"\s*:\s*"(?!")')
+# A top-level `"usage": null` member and what ends it. Where it can match: a `"` inside a JSON string
+# is escaped (\"), so the bytes `usage"` (an unescaped quote right after the name) end a string, and
+# one followed by `:` is a key, never a value.
+_USAGE_NULL = re.compile(rb'"usage"\s*:\s*null\s*(?=[,}])')
 _BOUNDARY = re.compile(rb"\r?\n\r?\n")
 _DATA_PREFIX = re.compile(rb"^data: ?", re.MULTILINE)
 
@@ -67,12 +72,14 @@ class SSEScanner:
     the tail back is what makes stripping a whole event possible.
     """
 
-    __slots__ = ("_tail", "_strip_usage_only", "facts")
+    __slots__ = ("_tail", "_strip_usage_only", "_native_null", "facts")
     END = "[DONE]"  # what a complete stream ends with, for the message when it does not
 
     def __init__(self, strip_usage_only: bool = False, capture_chars: int = 0) -> None:
         self._tail = bytearray()
         self._strip_usage_only = strip_usage_only
+        # Whether this upstream writes `"usage":null` unasked (decided at the first one seen).
+        self._native_null: bool | None = None
         self.facts = StreamFacts(capture_chars=capture_chars)
 
     def feed(self, chunk: bytes) -> tuple[bytes, int]:
@@ -92,7 +99,11 @@ class SSEScanner:
         if chunk.find(b"\n\n") + 2 == end:
             # The common case: exactly one event in this chunk.
             outputs, keep = self._inspect(chunk)
-            return (chunk if keep else b""), outputs
+            if not keep:
+                return b"", outputs
+            if self._strip_usage_only:
+                chunk = self._without_null_usage(chunk)
+            return chunk, outputs
         return self._feed_many(chunk)
 
     def _join(self, chunk: bytes) -> bytes:
@@ -114,22 +125,72 @@ class SSEScanner:
     def _feed_many(self, chunk: bytes) -> tuple[bytes, int]:
         outputs = 0
         start = 0
-        dropped: list[tuple[int, int]] = []
+        edited: list[tuple[int, int, bytes]] = []  # (start, end, what replaces them)
+        strip = self._strip_usage_only
         for end in _event_ends(chunk):
-            n, keep = self._inspect(chunk[start:end])
+            event = chunk[start:end]
+            n, keep = self._inspect(event)
             outputs += n
             if not keep:
-                dropped.append((start, end))
+                edited.append((start, end, b""))
+            elif strip:
+                bare = self._without_null_usage(event)
+                if bare is not event:
+                    edited.append((start, end, bare))
             start = end
-        if not dropped:
+        if not edited:
             return chunk, outputs
         parts = []
         pos = 0
-        for a, b in dropped:
+        for a, b, replacement in edited:
             parts.append(chunk[pos:a])
+            parts.append(replacement)
             pos = b
         parts.append(chunk[pos:])
         return b"".join(parts), outputs
+
+    def _without_null_usage(self, event: bytes) -> bytes:
+        """The event without the top-level `"usage":null` that asking for usage added (OpenAI and
+        vLLM write it on every chunk then), with the comma that separated it; the same object when
+        there is none. Bytes are cut, never re-serialized: everything else stays as the engine wrote
+        it. The top-level member is the last `"usage": null` (nested objects come before it: the
+        engines write `usage` after `choices`). An engine that writes every field, null or not,
+        writes it unasked (SGLang: its chunks carry `matched_stop`): there nothing was added."""
+        if self._native_null:
+            return event
+        i = event.rfind(b',"usage":null')
+        if i >= 0 and event[i + 13] in b",}":  # compact, after another member: OpenAI's and vLLM's
+            if self._native_null is None:
+                self._native_null = b'"matched_stop"' in event
+                if self._native_null:
+                    return event
+            return event[:i] + event[i + 13 :]
+        i = event.rfind(b'"usage"')
+        m = None
+        while i >= 0:
+            m = _USAGE_NULL.match(event, i)
+            if m is not None:
+                break
+            i = event.rfind(b'"usage"', 0, i)  # a string's end (`..\"usage"`), or not null
+        if m is None:
+            return event
+        if self._native_null is None:
+            self._native_null = b'"matched_stop"' in event
+            if self._native_null:
+                return event
+        k = i - 1
+        while k >= 0 and event[k] in b" \t":
+            k -= 1
+        if k >= 0 and event[k] == 0x2C:  # `, "usage":null`: a later member, its comma goes with it
+            return event[:k] + event[m.end() :]
+        if k >= 0 and event[k] == 0x7B:  # `{"usage":null, ...`: the first member, the comma after it
+            end = m.end()
+            if event[end] == 0x2C:
+                end += 1
+                while end < len(event) and event[end] in b" \t":
+                    end += 1
+            return event[: k + 1] + event[end:]
+        return event
 
     def flush(self) -> bytes:
         """Bytes left after the upstream's last complete event (an unterminated event). The relay
