@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The JavaScript clients that tests/test_js_clients.py runs with node: the official `openai` package,
-# the Vercel AI SDK (`ai`, `@ai-sdk/openai`) and LangChain (`@langchain/openai`, `@langchain/core`),
-# at the exact versions of tests/js/package-lock.json (`npm ci` into tests/js/node_modules).
+# The JavaScript clients that tests/test_js_clients.py and tests/test_js_client_errors.py run with
+# node: the official `openai` package, the Vercel AI SDK (`ai`, `@ai-sdk/openai`) and LangChain
+# (`@langchain/openai`, `@langchain/core`), at the exact versions of tests/js/package-lock.json
+# (`npm ci` into tests/js/node_modules).
 # Quick when they are installed: npm runs only when package.json or package-lock.json changed since
 # the last install. Without Node.js >= 20 and npm it says so and exits 0 (those tests then skip);
 # under CI=true that is a failure.

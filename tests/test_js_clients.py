@@ -9,6 +9,9 @@ infertap; the script prints what the client saw as JSON. What the engine answers
 (a request's `seed`, or greedy decoding), so the test asks the engine directly for the same answer
 and compares; then it checks infertap's `infertap_requests_total` moved by exactly the requests
 the script made, with the route, stream flag and outcome they must have.
+
+What they show when an upstream fails mid-stream or answers an engine's own error body:
+tests/test_js_client_errors.py.
 """
 
 from __future__ import annotations
@@ -86,6 +89,11 @@ def _require(what: str) -> NoReturn:
 
 @pytest.fixture(scope="module")
 def node() -> str:
+    return find_node()
+
+
+def find_node() -> str:
+    """node's path, once the clients pinned in tests/js are installed (else skip, or fail in CI)."""
     path = shutil.which("node")
     if path is None:
         _require("node is not installed")

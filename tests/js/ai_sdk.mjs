@@ -149,6 +149,13 @@ await main({
     return { deltas, aborted: controller.signal.aborted, error, requests: 1 };
   },
 
+  async stream_failure({ prompt, model, route }) {
+    // streamText reports a failed stream as an error part; anything thrown as well is a finding.
+    const result = streamText({ model: providers[route](model), prompt, maxRetries: 0, onError: () => {} });
+    const { text, deltas, errors } = await consume(result);
+    return { text, deltas, errors, finishReason: await result.finishReason, requests: 1 };
+  },
+
   async upstream_error({ prompt, model, temperature }) {
     const errors = {};
     for (const [api, route] of [["chat", "chat.completions"], ["responses", "responses"]]) {

@@ -103,6 +103,23 @@ await main({
     return { deltas, aborted: controller.signal.aborted, error, requests: 1 };
   },
 
+  async stream_failure({ prompt, model, route }) {
+    let text = "";
+    let deltas = 0;
+    let error = null;
+    try {
+      for await (const chunk of await chatModel(route, { model }).stream([new HumanMessage(prompt)])) {
+        if (chunk.text) {
+          text += chunk.text;
+          deltas += 1;
+        }
+      }
+    } catch (err) {
+      error = describeError(err);
+    }
+    return { text, deltas, errors: error ? [error] : [], requests: 1 };
+  },
+
   async upstream_error({ prompt, model, temperature }) {
     const errors = {};
     for (const [api, route] of [["chat", "chat.completions"], ["responses", "responses"]]) {

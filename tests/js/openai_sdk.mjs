@@ -176,6 +176,35 @@ await main({
     return { deltas, aborted: controller.signal.aborted, error, requests: 1 };
   },
 
+  async stream_failure({ prompt, model, route }) {
+    // A stream that fails after its first output: the deltas before, then what the iteration threw.
+    let text = "";
+    let deltas = 0;
+    let error = null;
+    try {
+      if (route === "responses") {
+        for await (const event of await client.responses.create({ model, input: prompt, stream: true })) {
+          if (event.type === "response.output_text.delta") {
+            text += event.delta;
+            deltas += 1;
+          }
+        }
+      } else {
+        const messages = [{ role: "user", content: prompt }];
+        for await (const chunk of await client.chat.completions.create({ model, messages, stream: true })) {
+          const content = chunk.choices[0]?.delta?.content;
+          if (content) {
+            text += content;
+            deltas += 1;
+          }
+        }
+      }
+    } catch (err) {
+      error = describeError(err);
+    }
+    return { text, deltas, errors: error ? [error] : [], requests: 1 };
+  },
+
   async upstream_error({ prompt, model, temperature }) {
     // The upstream refuses before any output: each call must throw with the upstream's message.
     const messages = [{ role: "user", content: prompt }];
