@@ -97,6 +97,8 @@ class Runtime:
             s.max_concurrency,
             self.settings.circuit.when_all_open,
             self.request_ids,
+            s.stream_headers,
+            s.stream_keep_alive_seconds,
         )
         checker = UpstreamChecker(routing, client, s.upstream_check_interval, s.upstream_check_timeout)
         drain = Drain(s.drain_delay, s.drain_timeout, forwarder.shut_down)
