@@ -182,7 +182,7 @@ def _settings(w: World, stream_headers: str = "first_token") -> Settings:
             "server": {
                 "upstream_check_interval": 60,
                 "stream_headers": stream_headers,
-                "stream_keep_alive_seconds": 0.1,  # below ttft: comments do come while waiting
+                "stream_keep_alive_seconds": 0.02,  # well below ttft and the trickle's gaps
             },
         }
     )

@@ -214,3 +214,18 @@ def test_non_stream_and_non_generation_requests_keep_their_status(fake: tuple[Fa
         emb = {"model": "fake-model", "input": "hi", "stream": True}
         r = httpx.post(f"{proxy}/v1/embeddings", json=emb, headers={"x-fake-status": "503"})
         assert r.status_code == 503
+
+
+def test_no_comment_once_the_first_token_is_out(fake: tuple[FakeUpstream, str]) -> None:
+    """The comments stop at commit: between the upstream's events, however slow, only its bytes."""
+    upstream, url = fake
+    settings = early(make_settings(("fake", url)), keep_alive=0.01)
+    settings.timeouts.ttft = settings.timeouts.idle = 30
+    headers = {"x-fake-ttft-ms": "100", "x-fake-gap-ms": "100", "x-fake-events": "4"}
+    with run_proxy(settings) as proxy:
+        r = httpx.post(f"{proxy}/v1/chat/completions", json=STREAM, headers=headers, timeout=30)
+        body = r.content
+        while body.startswith(KEEP_ALIVE):
+            body = body[len(KEEP_ALIVE) :]
+        assert KEEP_ALIVE not in body and body.endswith(b"data: [DONE]\n\n")
+        assert len(data_events(body)) >= 5
