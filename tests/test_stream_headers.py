@@ -8,9 +8,10 @@ import httpx
 import openai
 import pytest
 
+from proxy.app import create_app
 from proxy.settings import Settings
 from proxy.tools.fake_upstream import FakeUpstream
-from tests.conftest import CHAT, RecordingObserver, make_settings, run_proxy, wait_until
+from tests.conftest import CHAT, RecordingObserver, make_settings, run_proxy, serve_in_thread, wait_until
 from tests.promtext import scrape, value
 
 STREAM = {**CHAT, "stream": True}
@@ -229,3 +230,27 @@ def test_no_comment_once_the_first_token_is_out(fake: tuple[FakeUpstream, str]) 
             body = body[len(KEEP_ALIVE) :]
         assert KEEP_ALIVE not in body and body.endswith(b"data: [DONE]\n\n")
         assert len(data_events(body)) >= 5
+
+
+def test_shutdown_before_the_first_token_ends_in_band(fake: tuple[FakeUpstream, str]) -> None:
+    upstream, url = fake
+    settings = early(make_settings(("fake", url)))
+    settings.timeouts.ttft = settings.timeouts.idle = 30
+    rec = RecordingObserver()
+    app = create_app(settings, [rec])
+    with serve_in_thread(app) as proxy, httpx.Client(timeout=30) as c:
+        with c.stream(
+            "POST", f"{proxy}/v1/chat/completions", json=STREAM, headers={"x-fake-hang": "before-headers"}
+        ) as r:
+            assert r.status_code == 200
+            forwarder = app.runtime.forwarder
+            wait_until(lambda: len(forwarder.tasks) == 1, what="the request under way")
+            # The drain's deadline, on the server's loop (as Drain calls it).
+            next(iter(forwarder.tasks)).get_loop().call_soon_threadsafe(forwarder.shut_down)
+            body = r.read()
+        error = data_events(body)[-1]
+        assert b'"code":"shutdown"' in error and b"shutting down" in error
+        ex = rec.wait_terminal(r.headers["x-request-id"])
+        assert rec.terminal_count(ex.request_id) == 1 and str(ex.outcome) == "shutdown"
+        assert outcome_count(proxy, "shutdown") == 1
+        settled(proxy)
