@@ -41,6 +41,7 @@ SECRET = "sk-fault-sequence-secret-4242"
 KEY_ENV = "INFERTAP_TEST_FAULT_KEY"
 EXAMPLES = int(os.environ.get("INFERTAP_FAULT_EXAMPLES", "40"))
 DEAD = "http://127.0.0.1:9/v1"
+KEEP_ALIVE = b": keep-alive\n\n"
 ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses"}
 MODELS = {"a": "a-model", "b": "b-model", "d": "d-model"}  # d: refused connections, falls back to a
 ESCAPES = ["/v1/..%2F..%2Fsecret", "/v1/%2E%2E/%2E%2E/secret", "/v1/files/..%2F..%2F..%2Fadmin"]
@@ -166,7 +167,7 @@ def world() -> Iterator[World]:
         os.environ.pop(KEY_ENV, None)
 
 
-def _settings(w: World) -> Settings:
+def _settings(w: World, stream_headers: str = "first_token") -> Settings:
     ups = [
         UpstreamSettings(name="a", base_url=w.a_url, models=["a-*"], fallback=["b"], api_key_env=KEY_ENV),
         UpstreamSettings(name="b", base_url=w.b_url, models=["b-*"], api_key_env=KEY_ENV),
@@ -178,7 +179,11 @@ def _settings(w: World) -> Settings:
             "retry": {"max_attempts": 2, "backoff_seconds": 0.01, "max_backoff_seconds": 0.05},
             "timeouts": {"connect": 1, "ttft": 0.4, "idle": 0.4, "total": 3.0},
             "circuit": {"failure_rate": 0.5, "min_calls": 4, "window_seconds": 5, "cooldown_seconds": 0.5},
-            "server": {"upstream_check_interval": 60},
+            "server": {
+                "upstream_check_interval": 60,
+                "stream_headers": stream_headers,
+                "stream_keep_alive_seconds": 0.02,  # well below ttft and the trickle's gaps
+            },
         }
     )
 
@@ -216,13 +221,22 @@ def _send(proxy: str, rid: str, r: Req) -> Outcome:
 
 
 def _strip_usage(raw: bytes) -> bytes:
-    """The upstream's stream without its usage-only chunk (infertap asked for it, the client did not)."""
+    """The upstream's stream as the client's own request would have had it: without the usage-only
+    chunk and the `"usage":null` of every other chunk (infertap asked for usage, the client did not)."""
     kept = []
     for event in raw.split(b"\n\n"):
         if event.startswith(b"data: {") and b'"choices":[]' in event and b'"usage":{' in event:
             continue
-        kept.append(event)
+        kept.append(event.replace(b',"usage":null', b""))
     return b"\n\n".join(kept)
+
+
+def _without_keep_alive(body: bytes) -> bytes:
+    """The body without the keep-alive comments of stream_headers = "immediately": they come only
+    before the first upstream byte (a comment anywhere else fails the byte comparison)."""
+    while body.startswith(KEEP_ALIVE):
+        body = body[len(KEEP_ALIVE) :]
+    return body
 
 
 def _check_answer(o: Outcome, rec: RecordingObserver, w: World) -> None:
@@ -239,7 +253,8 @@ def _check_answer(o: Outcome, rec: RecordingObserver, w: World) -> None:
     if not o.req.stream:
         assert "error" not in json.loads(o.body), o  # a whole JSON answer: it parses (a cut one would not)
         return
-    events = [e for e in o.body.split(b"\n\n") if e]
+    body = _without_keep_alive(o.body)
+    events = [e for e in body.split(b"\n\n") if e]
     last = events[-1] if events else b""
     if b'"error"' in last and last.startswith((b"data: {", b"event: response.failed\n")):
         return  # an in-band error event (the Responses API's ends with response.failed): visible
@@ -248,10 +263,10 @@ def _check_answer(o: Outcome, rec: RecordingObserver, w: World) -> None:
     expected = bytes(sent)
     if not (o.req.usage and o.req.route != "responses"):
         expected = _strip_usage(expected)
-    assert o.body == expected, f"a 200 answer that is not the upstream's and carries no error: {o}"
+    assert body == expected, f"a 200 answer that is not the upstream's and carries no error: {o}"
 
 
-def _run_example(w: World, steps: list[Any]) -> None:
+def _run_example(w: World, steps: list[Any], stream_headers: str = "first_token") -> None:
     w.a.reset()
     w.b.reset()
     rec, attempts = RecordingObserver(), Attempts()
@@ -261,7 +276,7 @@ def _run_example(w: World, steps: list[Any]) -> None:
     root.addHandler(handler)
     old_level = root.level
     root.setLevel(logging.INFO)
-    app: InfertapApp = create_app(_settings(w), [rec, attempts])
+    app: InfertapApp = create_app(_settings(w, stream_headers), [rec, attempts])
     outcomes: list[Outcome] = []
     try:
         with serve_in_thread(app) as proxy, concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -396,11 +411,12 @@ STEPS = st.lists(
     # No "explain" phase: it reruns the failing example dozens of times, minutes on a loaded machine.
     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
 )
-@given(steps=STEPS)
+@given(steps=STEPS, stream_headers=st.sampled_from(["first_token", "immediately"]))
 # Shrunk sequences that found bugs, kept as regression tests (each runs in every CI run).
 @example(  # a success that brought the calls to min_calls opened the circuit (proxy/core/circuit.py)
-    steps=[Req("chat", "a", False, False, "ok", "never"), Req("chat", "a", False, False, "hang", "never")]
+    steps=[Req("chat", "a", False, False, "ok", "never"), Req("chat", "a", False, False, "hang", "never")],
+    stream_headers="first_token",
 )
 @pytest.mark.timeout(0)
-def test_fault_sequences_keep_every_invariant(world: World, steps: list[Any]) -> None:
-    _run_example(world, steps)
+def test_fault_sequences_keep_every_invariant(world: World, steps: list[Any], stream_headers: str) -> None:
+    _run_example(world, steps, stream_headers)

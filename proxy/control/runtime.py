@@ -96,8 +96,10 @@ class Runtime:
             tuple(self.settings.metrics.prompt_class_bounds),
             s.max_concurrency,
             self.settings.circuit.when_all_open,
-            self.request_ids,
-            s.body_timeout,
+            request_ids=self.request_ids,
+            stream_headers=s.stream_headers,
+            keep_alive_seconds=s.stream_keep_alive_seconds,
+            body_timeout=s.body_timeout,
         )
         checker = UpstreamChecker(routing, client, s.upstream_check_interval, s.upstream_check_timeout)
         drain = Drain(s.drain_delay, s.drain_timeout, forwarder.shut_down)

@@ -70,6 +70,18 @@ class ServerSettings(_Section):
         ge=0,
         description="after SIGTERM, new requests are still served this long (load balancers catch up)",
     )
+    stream_headers: str = Field(
+        default="first_token",
+        pattern=r"^(first_token|immediately)$",
+        description="a generation stream's status and headers: with its first output event (an error "
+        "before it keeps its HTTP status) or immediately (a client timeout shorter than the time to "
+        "first token still works; an error before it is an in-band event after 200)",
+    )
+    stream_keep_alive_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        description="with stream_headers = immediately: an SSE comment this often until the first token",
+    )
     ready_needs_upstream: bool = Field(
         default=False, description="/readyz also needs one upstream whose circuit is not open"
     )

@@ -39,6 +39,10 @@ class Call:
     rid: RawHeaders
     committed: bool = False
     committed_sse: bool = False  # what was committed can carry an in-band error event
+    # [server] stream_headers = "immediately": 200 and the SSE headers went out before the first
+    # attempt (forward/early.py); every end from then on is in-band.
+    opened: bool = False
+    keep_alive: asyncio.Task[None] | None = None  # its comments, until the first output event
     # The routed upstream and its fallbacks, fixed at intake: a reload changes new requests only.
     plan: list[Upstream] = field(default_factory=list)
     scanner: SSEScanner | None = None  # the committed stream's: what an in-band error builds on

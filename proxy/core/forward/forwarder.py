@@ -33,6 +33,7 @@ from proxy.core.circuit import PANIC, Permit
 from proxy.core.errors import ERRORS, ErrorKind, Phase, outcome_of
 from proxy.core.exchange import Exchange, Outcome
 from proxy.core.forward.attempts import Attempter, Call, Failure, Ready, say
+from proxy.core.forward.early import answer_error, end_with_answer, fits, open_early, quiet
 from proxy.core.forward.intake import RequestRejected, fill_record, parse_request, with_usage
 from proxy.core.forward.lifetime import guarded
 from proxy.core.forward.relay import (
@@ -66,6 +67,8 @@ class Forwarder:
         max_concurrency: int = 0,
         when_all_open: str = "send",
         request_ids: RequestIds | None = None,
+        stream_headers: str = "first_token",
+        keep_alive_seconds: float = 5.0,
         body_timeout: float | None = None,
     ) -> None:
         self.body_timeout = body_timeout
@@ -78,6 +81,8 @@ class Forwarder:
         self.active = 0
         self.request_id = request_ids if request_ids is not None else RequestIds()
         self.panic = when_all_open == "send"
+        self.early = stream_headers == "immediately"  # forward/early.py
+        self.keep_alive_seconds = keep_alive_seconds
         # Request tasks, so that the end of a drain can end them with a visible error.
         self.tasks: set[asyncio.Task[Any]] = set()
         self.shutting_down = False
@@ -216,6 +221,8 @@ class Forwarder:
     async def run(self, send: Send, call: Call, watcher: asyncio.Task[None]) -> None:
         ex = call.ex
         plan = call.plan
+        if self.early and ex.stream and call.route.scanner is not None:
+            await open_early(send, call, self.keep_alive_seconds)
         now = time.monotonic()
         # Only asks: the permit is taken right before an attempt goes (a fallback the request
         # never reaches must not hold its upstream's probe slot).
@@ -223,7 +230,7 @@ class Forwarder:
         panic = False
         if not usable:
             if not self.panic:
-                await self._circuit_open(send, call, plan)
+                await self._circuit_open(send, call, plan, watcher)
                 return
             usable, panic = list(plan), True  # no healthy alternative left: keep sending
         failure: Failure | None = None
@@ -290,25 +297,20 @@ class Forwarder:
             if exhausted:
                 break
         if failure is None:
-            await self._circuit_open(send, call, plan)
+            await self._circuit_open(send, call, plan, watcher)
             return
-        await send_error(
-            send, failure.status, failure.message, failure.kind.value, failure.kind.value, call.rid
-        )
+        kind = failure.kind.value
+        await answer_error(send, call, watcher, failure.status, failure.message, kind, kind)
         self.end(ex, outcome_of(failure.kind), failure.status, failure.message)
 
-    async def _circuit_open(self, send: Send, call: Call, plan: list[Upstream]) -> None:
+    async def _circuit_open(
+        self, send: Send, call: Call, plan: list[Upstream], watcher: asyncio.Task[None]
+    ) -> None:
         now = time.monotonic()
         msg = "; ".join(f"upstream '{up.name}' is unavailable: {up.breaker.describe(now)}" for up in plan)
-        wait = min(up.breaker.retry_in(now) for up in plan)
-        await send_error(
-            send,
-            503,
-            msg,
-            Outcome.UPSTREAM_ERROR.value,
-            "circuit_open",
-            call.rid + [(b"retry-after", str(max(1, math.ceil(wait))).encode())],
-        )
+        wait = str(max(1, math.ceil(min(up.breaker.retry_in(now) for up in plan)))).encode()
+        kind = Outcome.UPSTREAM_ERROR.value
+        await answer_error(send, call, watcher, 503, msg, kind, "circuit_open", [(b"retry-after", wait)])
         self.end(call.ex, Outcome.UPSTREAM_ERROR, 503, msg)
 
     def _health(self, ex: Exchange, up: Upstream, permit: Permit, ok: bool, cause: str) -> None:
@@ -334,13 +336,21 @@ class Forwarder:
         outcome = status_outcome(resp.status)
         read_all = False
         try:
+            if call.opened:
+                if not fits(ready, is_sse):
+                    watcher.cancel()
+                    outcome, msg = await end_with_answer(send, call, up, ready)
+                    self.end(ex, outcome, error=msg)
+                    return
+                quiet(call)  # from here on only the upstream's events: no comment between them
             call.committed = True
-            call.committed_sse = is_sse
             call.scanner = ready.scanner
-            headers = response_headers(resp.raw_headers, is_sse, call.rid)
-            if ready.prefetched is not None:
-                headers = whole_body_headers(headers, ready.prefetched, ready.reshaped)
-            await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+            if not call.opened:
+                call.committed_sse = is_sse
+                headers = response_headers(resp.raw_headers, is_sse, call.rid)
+                if ready.prefetched is not None:
+                    headers = whole_body_headers(headers, ready.prefetched, ready.reshaped)
+                await send({"type": "http.response.start", "status": resp.status, "headers": headers})
             facts, outcome = await relay_committed(send, call, ready, self.observers, outcome)
             read_all = True
         except self.attempter.errors as e:

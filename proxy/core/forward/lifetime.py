@@ -14,6 +14,7 @@ from proxy.core.asgi import Receive, Send, send_error, watch_disconnect
 from proxy.core.errors import ERRORS, ErrorKind, Phase, describe, failure_message
 from proxy.core.exchange import Exchange, Outcome
 from proxy.core.forward.attempts import Call
+from proxy.core.forward.early import end_in_band, quiet
 from proxy.core.forward.relay import take_facts
 from proxy.core.stream_facts import StreamFacts
 
@@ -79,20 +80,14 @@ async def guarded(runner: Runner, receive: Receive, send: Send, call: Call) -> N
             ERRORS[ErrorKind.TOTAL_TIMEOUT].status,
             Outcome.TOTAL_TIMEOUT,
         )
-        if call.committed and not call.committed_sse:
+        if call.committed_sse:  # committed, or opened before its first token (forward/early.py)
+            watcher.cancel()
+            await end_in_band(send, call, msg, kind.value)
+        elif call.committed:
             # A plain body cut short would look complete, and an error event appended to it
             # would corrupt it: the connection is aborted (the app returns unfinished).
             runner.end(ex, outcome, status, msg)
             return
-        if call.committed:
-            watcher.cancel()
-            await send(
-                {
-                    "type": "http.response.body",
-                    "more_body": False,
-                    "body": call.error_event(msg, kind.value),
-                }
-            )
         else:
             await send_error(send, status, msg, kind.value, kind.value, call.rid)
         runner.end(ex, outcome, status, msg)
@@ -123,6 +118,7 @@ async def guarded(runner: Runner, receive: Receive, send: Send, call: Call) -> N
         raise
     finally:
         watcher.cancel()
+        quiet(call)
         runner.tasks.discard(task)
 
 
@@ -133,16 +129,10 @@ async def _shutdown_end(runner: Runner, send: Send, call: Call) -> None:
     outcome = Outcome.SHUTDOWN
     try:
         async with asyncio.timeout(1.0):  # a client that does not read cannot hold the exit
-            if not call.committed:
+            if call.committed_sse:
+                await end_in_band(send, call, msg, outcome.value)
+            elif not call.committed:
                 await send_error(send, 503, msg, outcome.value, "shutting_down", call.rid)
-            elif call.committed_sse:
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "more_body": False,
-                        "body": call.error_event(msg, outcome.value),
-                    }
-                )
     except (TimeoutError, OSError, RuntimeError):
         pass
     runner.end(call.ex, outcome, 503, msg)
