@@ -123,13 +123,13 @@ def merged(current: Settings, loaded: Settings) -> tuple[Settings, list[str], li
 def build(current: Settings, loaded: Settings) -> Built:
     """Everything `loaded` would run on, checked: raises ConfigError (the field named) when it cannot."""
     settings, applied, restart = merged(current, loaded)
+    access = Access.from_settings(settings)  # first: a broken key setting is named as such
     opened = _opens(current, settings)
     if opened and not settings.auth.open:
         raise ConfigError(
             f"the reloaded configuration turns {opened} off, which opens the proxy: the running "
             "configuration stays. Say so with `[auth] open = true` if that is what you want"
         )
-    access = Access.from_settings(settings)
     try:
         routing = ModelRouter.from_settings(settings)
     except (ValueError, KeyError) as e:
