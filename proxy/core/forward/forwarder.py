@@ -105,7 +105,7 @@ class Forwarder:
             try:
                 suffix = passthrough_suffix(scope)
             except PathRejected as e:
-                await self._reject(send, ex, rid, 400, f"{e}: {scope['path']!r}", "invalid_path")
+                await self._reject(send, ex, rid, e.status, f"{e}: {scope['path']!r}", e.code)
                 return
         else:
             suffix = scope["path"][3:]  # one of the known routes, matched exactly

@@ -3,6 +3,7 @@ stream flag, the prompt's size), and the one change it makes to it (asking a str
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -56,14 +57,63 @@ _PARAMS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "temperat
 
 def with_usage(ex: Exchange, obj: dict[str, Any], body: bytes, upstream_rejects_it: bool) -> bytes:
     """The body with `stream_options.include_usage` added, so that a stream reports its token
-    usage; unchanged when the client decided itself, or the upstream rejects stream_options."""
+    usage; unchanged when the client decided itself, or the upstream rejects stream_options.
+
+    The client's bytes are kept as sent and the member is spliced in: re-serializing would change
+    what a parser reads differently (an integer over 64 bits becomes a float) and fails where
+    reading did not (orjson writes 255 levels of nesting, reads 1,024)."""
     opts = obj.get("stream_options")
     if isinstance(opts, dict) and "include_usage" in opts:
         return body
     if upstream_rejects_it or (opts is not None and not isinstance(opts, dict)):
         return body
+    if "stream_options" not in obj:
+        # A valid JSON object with a model: its first "{" opens it (whitespace holds none), and
+        # it has a member, so the comma is right.
+        at = body.index(b"{") + 1
+        spliced = body[:at] + b'"stream_options":{"include_usage":true},' + body[at:]
+    else:  # `null` or an object without include_usage, as its last top-level occurrence reads
+        at = _top_level_value(body, "stream_options")
+        if body.startswith(b"null", at):
+            spliced = body[:at] + b'{"include_usage":true}' + body[at + 4 :]
+        else:
+            inner = _skip_ws(body, at + 1)
+            member = b'"include_usage":true' if body[inner : inner + 1] == b"}" else b'"include_usage":true,'
+            spliced = body[: at + 1] + member + body[at + 1 :]
     ex.usage_injected = True
-    return orjson.dumps({**obj, "stream_options": {**(opts or {}), "include_usage": True}})
+    return spliced
+
+
+# A JSON string (escapes included) or a bracket: what changes the depth, or may be a key.
+_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[{}\[\]]', re.DOTALL)
+_WS = b" \t\r\n"
+
+
+def _skip_ws(body: bytes, at: int) -> int:
+    while at < len(body) and body[at] in _WS:
+        at += 1
+    return at
+
+
+def _top_level_value(body: bytes, key: str) -> int:
+    """Where the value of the last top-level member `key` of a valid JSON object starts (the last,
+    as orjson and most parsers keep the last of duplicate keys)."""
+    depth = 0
+    found = -1
+    for m in _TOKEN.finditer(body):
+        first = m.group()[:1]
+        if first == b'"':
+            if depth == 1:
+                colon = _skip_ws(body, m.end())
+                if body[colon : colon + 1] == b":" and orjson.loads(m.group()) == key:
+                    found = _skip_ws(body, colon + 1)
+        elif first in (b"{", b"["):
+            depth += 1
+        else:
+            depth -= 1
+    if found < 0:
+        raise ValueError(f"no top-level {key!r} in the body")
+    return found
 
 
 class RequestRejected(Exception):
