@@ -80,9 +80,10 @@ def _last_boundary(buf: bytes | bytearray, start: int = 0) -> int:
     end = last = 0
     for m in _BLANK.finditer(buf, start):
         last, end = end, m.end()
-    if end == len(buf) and buf.endswith(b"\r\n\r"):
+    if end == len(buf) and buf.endswith(b"\r\n\r") and not buf.endswith(b"[DONE]\r\n\r"):
         # A CRLF stream's blank line, its LF still to come: waits for it, so that what follows
         # (the next event, or infertap's error) starts after the whole CRLF, as naive clients expect.
+        # Not after [DONE]: nothing is added after it, and a stream that ends there is complete.
         return last
     return end
 
