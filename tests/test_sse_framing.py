@@ -77,7 +77,9 @@ def streams(draw: st.DrawFn) -> tuple[bytes, int, list[int]]:
             lines.insert(0, b"id: " + str(len(events)).encode())
         events.append(b"".join(line + eol() for line in lines) + eol())
         prev[0] = b""
-    events.append(b"data: [DONE]" + eol() + eol())
+    last = eol()
+    # CRLF then a lone CR at the very end is taken as a CRLF cut before its LF (infertap waits for it)
+    events.append(b"data: [DONE]" + last + (b"\n" if last == b"\r\n" else eol()))
     body = b"".join(events)
     cuts = sorted(draw(st.lists(st.integers(0, len(body)), max_size=20)))
     return body, outputs, cuts
@@ -235,11 +237,11 @@ def test_a_cr_only_stream_is_relayed_whole(proxy: tuple[str, list[dict[str, str]
 
 
 def test_a_huge_event_ends_the_stream_in_band(proxy: tuple[str, list[dict[str, str]], Any]) -> None:
-    """Item 13: a 6 MB line after the first token ends the stream with an in-band error (before: it
+    """Item 13: a 10 MB line after the first token ends the stream with an in-band error (before: it
     was held whole, and the stream ended "without [DONE]")."""
     base, _, _ = proxy
     first = b"data: " + _delta("hi") + b"\n\n"
-    r = _post(base, "huge", _framed(first + b"data: " + b"x" * (6 << 20) + b"\n\ndata: [DONE]\n\n", "close"))
+    r = _post(base, "huge", _framed(first + b"data: " + b"x" * (10 << 20) + b"\n\ndata: [DONE]\n\n", "close"))
     assert r.status_code == 200 and r.content.startswith(first)
     error = json.loads(_events(r.content)[-1])["error"]
     assert f"more than {MAX_EVENT_BYTES} bytes without the blank line" in error["message"]

@@ -21,7 +21,7 @@ from proxy.core.stream_facts import StreamFacts, absorb_response, absorb_respons
 # An event still incomplete past this many bytes ends the stream: it bounds what one stream holds
 # (a 50 MB line took 140 MB), and it is how a stream that never writes a blank line (so cannot be
 # framed into events) ends, with an error, instead of being held whole.
-MAX_EVENT_BYTES = 4 * 1024 * 1024
+MAX_EVENT_BYTES = 8 * 1024 * 1024
 # What a stream may send before its first output event (everything is held until then, so that a
 # retry stays invisible to the client): a flood of comments or empty events ends the attempt.
 MAX_HELD_BYTES = 8 * 1024 * 1024
@@ -80,10 +80,10 @@ def _last_boundary(buf: bytes | bytearray, start: int = 0) -> int:
     end = last = 0
     for m in _BLANK.finditer(buf, start):
         last, end = end, m.end()
-    if end == len(buf) and buf.endswith(b"\r\n\r") and not buf.endswith(b"[DONE]\r\n\r"):
+    if end == len(buf) and buf.endswith(b"\r\n\r"):
         # A CRLF stream's blank line, its LF still to come: waits for it, so that what follows
         # (the next event, or infertap's error) starts after the whole CRLF, as naive clients expect.
-        # Not after [DONE]: nothing is added after it, and a stream that ends there is complete.
+        # (A stream that ends there, mixing CRLF and a lone CR, is taken as cut.)
         return last
     return end
 
