@@ -15,7 +15,16 @@ from typing import Any
 
 import orjson
 
+from proxy.core.errors import ErrorKind, UpstreamError
 from proxy.core.stream_facts import StreamFacts, absorb_response, absorb_responses_event
+
+# An event still incomplete past this many bytes ends the stream: it bounds what one stream holds
+# (a 50 MB line took 140 MB), and it is how a stream that never writes a blank line (so cannot be
+# framed into events) ends, with an error, instead of being held whole.
+MAX_EVENT_BYTES = 8 * 1024 * 1024
+# What a stream may send before its first output event (everything is held until then, so that a
+# retry stays invisible to the client): a flood of comments or empty events ends the attempt.
+MAX_HELD_BYTES = 8 * 1024 * 1024
 
 # An event carries output when a text field holds a non-empty string, or a tool call starts or
 # continues (a `tool_calls` list with an entry: some engines send `"tool_calls": []` with text).
@@ -45,7 +54,12 @@ _DELTA_TEXT = re.compile(rb'"delta"\s*:\s*"(?!")')
 # is escaped (\"), so the bytes `usage"` (an unescaped quote right after the name) end a string, and
 # one followed by `:` is a key, never a value.
 _USAGE_NULL = re.compile(rb'"usage"\s*:\s*null\s*(?=[,}])')
-_BOUNDARY = re.compile(rb"\r?\n\r?\n")
+# A blank line: a line terminator (CRLF, LF or CR, the SSE standard's three) right after another.
+# A CR is one terminator only when no LF follows it, else CRLF is: `a\r\nb` holds no blank line.
+# A lone CR at the very end of the bytes searched counts as one (a CR-only stream's events are not
+# held until the next read): if an LF follows, the next event starts with it, which a client reads
+# as the rest of the CRLF. A CRLF stream's `\r\n\r` waits for its LF (_last_boundary).
+_BLANK = re.compile(rb"(?:\r\n|\n|\r(?!\n))(?:\r\n|\n|\r)")
 _DATA_PREFIX = re.compile(rb"^data: ?", re.MULTILINE)
 
 
@@ -60,9 +74,18 @@ def event_data(event: bytes) -> bytes:
 
 def _last_boundary(buf: bytes | bytearray, start: int = 0) -> int:
     """Index just past the last complete event in `buf` (searching from `start`), or 0."""
-    lf = buf.rfind(b"\n\n", start)
-    crlf = buf.rfind(b"\r\n\r\n", start)
-    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+    if buf.find(b"\r", start) < 0:  # the common case, LF only: one C-speed search
+        lf = buf.rfind(b"\n\n", start)
+        return lf + 2 if lf >= 0 else 0
+    end = last = 0
+    for m in _BLANK.finditer(buf, start):
+        last, end = end, m.end()
+    if end == len(buf) and buf.endswith(b"\r\n\r"):
+        # A CRLF stream's blank line, its LF still to come: waits for it, so that what follows
+        # (the next event, or infertap's error) starts after the whole CRLF, as naive clients expect.
+        # (A stream that ends there, mixing CRLF and a lone CR, is taken as cut.)
+        return last
+    return end
 
 
 class SSEScanner:
@@ -72,17 +95,46 @@ class SSEScanner:
     the tail back is what makes stripping a whole event possible.
     """
 
-    __slots__ = ("_tail", "_strip_usage_only", "_native_null", "facts")
+    __slots__ = ("_tail", "_strip_usage_only", "_native_null", "facts", "_max_event", "_held", "_max_held")
     END = "[DONE]"  # what a complete stream ends with, for the message when it does not
 
-    def __init__(self, strip_usage_only: bool = False, capture_chars: int = 0) -> None:
+    def __init__(
+        self,
+        strip_usage_only: bool = False,
+        capture_chars: int = 0,
+        max_event_bytes: int = MAX_EVENT_BYTES,
+        max_held_bytes: int = MAX_HELD_BYTES,
+    ) -> None:
         self._tail = bytearray()
+        self._max_event = max_event_bytes
+        # Bytes read before the first output event; -1 once there was one (the check then costs a
+        # comparison per read).
+        self._held = 0
+        self._max_held = max_held_bytes
         self._strip_usage_only = strip_usage_only
         # Whether this upstream writes `"usage":null` unasked (decided at the first one seen).
         self._native_null: bool | None = None
         self.facts = StreamFacts(capture_chars=capture_chars)
 
     def feed(self, chunk: bytes) -> tuple[bytes, int]:
+        """The complete events now available (as sent, less what is stripped) and how many carry
+        output. Raises UpstreamError when the stream breaks a limit (MAX_EVENT_BYTES, MAX_HELD_BYTES)."""
+        if self._held >= 0:
+            out, outputs = self._feed(chunk)
+            if outputs:
+                self._held = -1
+            else:
+                self._held += len(chunk)
+                if self._held > self._max_held:
+                    raise UpstreamError(
+                        ErrorKind.UPSTREAM_5XX,
+                        None,
+                        f"sent more than {self._max_held} bytes without an output event",
+                    )
+            return out, outputs
+        return self._feed(chunk)
+
+    def _feed(self, chunk: bytes) -> tuple[bytes, int]:
         if self._tail:
             chunk = self._join(chunk)
             if not chunk:
@@ -91,12 +143,12 @@ class SSEScanner:
         else:
             end = _last_boundary(chunk)
             if end == 0:
-                self._tail += chunk
+                self._hold(chunk)
                 return b"", 0
             if end < len(chunk):
-                self._tail += chunk[end:]
+                self._hold(chunk[end:])
                 chunk = chunk[:end]
-        if chunk.find(b"\n\n") + 2 == end:
+        if chunk.find(b"\n\n") + 2 == end and b"\r" not in chunk:
             # The common case: exactly one event in this chunk.
             outputs, keep = self._inspect(chunk)
             if not keep:
@@ -117,10 +169,23 @@ class SSEScanner:
         tail += chunk
         end = _last_boundary(tail, start)
         if end == 0:
+            self._hold(b"")
             return b""
         complete = bytes(tail[:end])
         del tail[:end]
         return complete
+
+    def _hold(self, part: bytes) -> None:
+        """Keeps `part` (the start of an incomplete event), within MAX_EVENT_BYTES."""
+        tail = self._tail
+        tail += part
+        if len(tail) > self._max_event:
+            tail.clear()
+            raise UpstreamError(
+                ErrorKind.UPSTREAM_5XX,
+                None,
+                f"sent more than {self._max_event} bytes without the blank line that ends an event",
+            )
 
     def _feed_many(self, chunk: bytes) -> tuple[bytes, int]:
         outputs = 0
@@ -294,7 +359,7 @@ def _has(event: bytes, key: bytes, pattern: re.Pattern[bytes]) -> bool:
 def _event_ends(chunk: bytes) -> list[int]:
     """Offsets just past each event separator in `chunk`."""
     if b"\r" in chunk:
-        return [m.end() for m in _BOUNDARY.finditer(chunk)]
+        return [m.end() for m in _BLANK.finditer(chunk)]
     ends = []
     i = chunk.find(b"\n\n")
     while i >= 0:

@@ -165,6 +165,16 @@ class Attempter:
                 if scanner_type is None or not (generation_stream and status == 200 and is_sse):
                     ready = Ready(resp, chunks)
                     return ready
+                encoding = resp.headers.get("content-encoding", "identity").lower()
+                if encoding not in ("", "identity"):
+                    # Asked for identity (headers_for): events it encoded cannot be read, counted,
+                    # stripped of usage, or ended with an error a client could read.
+                    raise UpstreamError(
+                        ErrorKind.UPSTREAM_5XX,
+                        None,
+                        f"sent a stream with content-encoding '{encoding}' although infertap asked "
+                        "for identity",
+                    )
                 scanner = scanner_type(
                     strip_usage_only=ex.usage_injected, capture_chars=ex.capture_output_chars
                 )

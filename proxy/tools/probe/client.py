@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from proxy.core.errors import UpstreamError
 from proxy.core.sse import ResponsesScanner, SSEScanner
 from proxy.core.stream_facts import usage_tokens
 from proxy.tools.probe.failures import (
@@ -214,6 +215,8 @@ async def _attempt(client: httpx.AsyncClient, target: Target, prompt: str, resul
     except httpx.HTTPError as e:
         kind, msg = describe_exception(e, url, got_headers, result.content_events, target.read_timeout)
         raise Failure(kind, msg, result.status) from None
+    except UpstreamError as e:  # the scanner's limits: an event too large, no output for too long
+        raise Failure("protocol_error", f"{url} {e.message}", result.status) from None
     facts = scanner.facts
     if result.ttft_s is None:
         raise Failure("no_output", "the stream ended without any output text", result.status)
