@@ -360,3 +360,20 @@ def test_what_reaches_the_client_is_exactly_the_allowed_set(
     theirs = [(k, v) for k, v in got if k not in OWN_RESPONSE and k != "content-type"]
     assert sorted(theirs) == sorted(want)
     assert [v for k, v in got if k == "content-type"] == ["application/json"]
+
+
+def test_a_fallback_gets_the_headers_its_own_policy_allows() -> None:
+    """The routed upstream's policy filters the headers at intake; a fallback with a wider one
+    still gets what it allows (and one with a narrower one would not get more)."""
+    rec = Recorder()
+    with serve_in_thread(rec) as url:
+        dead = UpstreamSettings(name="dead", base_url="http://127.0.0.1:9/v1", fallback=["wide"])
+        wide = UpstreamSettings(name="wide", base_url=url + "/v1", forward_headers=["openai-project"])
+        s = Settings(upstreams=[dead, wide])
+        s.retry.max_attempts = 1
+        with run_proxy(s) as proxy:
+            status, _ = send(proxy, [("openai-project", "p-1"), ("x-forwarded-host", "evil")])
+    assert status == 200
+    seen = dict(rec.requests[-1][0])
+    assert seen["openai-project"] == "p-1" and "x-forwarded-host" not in seen
+    assert seen["content-type"] == "application/json"
