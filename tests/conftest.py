@@ -23,6 +23,7 @@ from proxy.settings import Settings, UpstreamSettings
 from proxy.tools.fake_upstream import FakeUpstream
 
 # The smallest chat request most tests send.
+TEST_HEADERS = ["x-fake-*", "x-sim-*", "x-test-*"]
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
 
 
@@ -112,7 +113,9 @@ def fake() -> Iterator[tuple[FakeUpstream, str]]:
 
 
 def make_settings(*upstreams: tuple[str, str], **extra: Any) -> Settings:
-    ups = [UpstreamSettings(name=n, base_url=u) for n, u in upstreams]
+    # The fake upstream and the simulated engine are scripted by request headers the default
+    # policy drops (x-fake-*, x-sim-*); tests script their own upstreams with x-test-*.
+    ups = [UpstreamSettings(name=n, base_url=u, forward_headers=TEST_HEADERS) for n, u in upstreams]
     return Settings(upstreams=ups, **extra)
 
 

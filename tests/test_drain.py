@@ -112,7 +112,7 @@ def _run(
 ) -> dict[str, object]:
     env = _env(tmp, drain_timeout, drain_delay)
     log = tmp / "serve.log"
-    args = ("--upstream", f"fake={url}", "--workers", str(workers))
+    args = ("--upstream", f"fake={url}", "--forward-header", "x-fake-*", "--workers", str(workers))
     with serve_process(*args, env=env, log=log) as (base, proc):
         assert httpx.get(f"{base}/readyz").status_code == 200
         with Streams(base) as streams:

@@ -135,7 +135,10 @@ def infertap(sim: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
     env = {k: v for k, v in os.environ.items() if not k.startswith(("INFERTAP_", "TAOTOKEN_"))}
     env["INFERTAP_SERVER__DRAIN_DELAY"] = "0"  # nothing to drain at the end: stop at once
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with serve_process("--upstream", f"sim={sim}", env=env, log=log) as (base, _):
+    with serve_process("--upstream", f"sim={sim}", "--forward-header", "x-sim-*", env=env, log=log) as (
+        base,
+        _,
+    ):
         yield base
 
 

@@ -55,7 +55,10 @@ def test_first_token_overhead_below_5_ms_with_an_upstream_that_delays_nothing(
     infertap runs in its own process here, so the fake upstream's thread does not share its GIL."""
     _, url = fake
     n = 20
-    with serve_process("--upstream", f"fake={url}") as (proxy, _), httpx.Client() as c:
+    with (
+        serve_process("--upstream", f"fake={url}", "--forward-header", "x-fake-*") as (proxy, _),
+        httpx.Client() as c,
+    ):
         _workload(c, proxy, n, 0)
         wait_until(lambda: value(scrape(proxy), "infertap_overhead_seconds_count", phase="first_token") == n)
         text = scrape(proxy)

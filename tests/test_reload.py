@@ -57,11 +57,13 @@ name = "a"
 base_url = "{a}"
 models = {models}
 api_key_env = "RT_KEY_A"
+forward_headers = ["x-fake-*"]
 [[upstreams]]
 name = "b"
 base_url = "{b}"
 default = true
 api_key_env = "RT_KEY_B{self.b_key}"
+forward_headers = ["x-fake-*"]
 """
 
 

@@ -454,7 +454,9 @@ def _rss_kb(pid: int, field: str) -> int:
 def test_slow_reading_client_keeps_memory_bounded(fake: tuple[FakeUpstream, str]) -> None:
     _, url = fake
     env = {**os.environ, "INFERTAP_METRICS__ACCESS_LOG": "false"}
-    with serve_process("--upstream", f"fake={url}", "--log-level", "warning", env=env) as (base, proc):
+    with serve_process(
+        "--upstream", f"fake={url}", "--forward-header", "x-fake-*", "--log-level", "warning", env=env
+    ) as (base, proc):
         before = _rss_kb(proc.pid, "VmRSS")
         total = 0
         # 1,200 events of 64 KiB: about 80 MB that the upstream can produce far faster than this

@@ -42,7 +42,9 @@ def main(argv: list[str]) -> int:
                 "(configure [[upstreams]], --upstream or TAOTOKEN_API_KEY for a real one)",
                 url,
             )
-            settings = with_upstreams(settings, [UpstreamSettings(name="sim", base_url=url)])
+            # The simulated engine is scripted by x-sim-* request headers (docs/sim.md).
+            sim = UpstreamSettings(name="sim", base_url=url, forward_headers=["x-sim-*"])
+            settings = with_upstreams(settings, [sim])
             run(settings, argv)
         return 0
     except ConfigError as e:

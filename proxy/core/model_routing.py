@@ -9,6 +9,13 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from proxy.core.circuit import Breaker
+from proxy.core.headers import (
+    DEFAULT_REQUEST_POLICY,
+    DEFAULT_RESPONSE_POLICY,
+    HeaderPolicy,
+    request_policy,
+    response_policy,
+)
 from proxy.core.seam import Pool, Timeouts
 from proxy.settings import RetrySettings, Settings, UpstreamSettings, display_url
 
@@ -49,6 +56,9 @@ class Upstream:
     display_url: str = ""  # base_url without user info or query: safe for logs and errors
     # What looks wrong in this upstream's configuration: logged at start-up, shown on status routes.
     config_warnings: tuple[str, ...] = ()
+    # Which client headers reach it, and which of its answer's headers reach the client.
+    request_policy: HeaderPolicy = DEFAULT_REQUEST_POLICY
+    response_policy: HeaderPolicy = DEFAULT_RESPONSE_POLICY
 
     def __post_init__(self) -> None:
         self.display_url = display_url(self.base_url)
@@ -57,7 +67,7 @@ class Upstream:
     @classmethod
     def from_settings(cls, s: UpstreamSettings, settings: Settings) -> Upstream:
         t = s.effective_timeouts(settings.timeouts)
-        return cls(
+        up = cls(
             s.name,
             s.base_url,
             list(s.models),
@@ -72,6 +82,11 @@ class Upstream:
             list(s.fallback),
             Pool(s.name, s.max_connections),
         )
+        if s.forward_headers:
+            up.request_policy = request_policy(s.forward_headers)
+        if s.return_headers:
+            up.response_policy = response_policy(s.return_headers)
+        return up
 
     def url(self, suffix: str) -> str:
         """`suffix` is the path after /v1, e.g. `/chat/completions`."""

@@ -57,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="an upstream's OpenAI base URL, e.g. vllm=http://127.0.0.1:8000/v1 (repeatable; "
         "replaces the config's upstreams; the first one is the default route)",
     )
+    p.add_argument(
+        "--forward-header",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a client header the --upstream upstreams get beyond the default allow-list, e.g. "
+        "openai-organization or x-custom-* (repeatable; like forward_headers in [[upstreams]])",
+    )
     p.add_argument("--workers", type=int, help="worker processes (default 1)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
     p.add_argument("--version", action="version", version=f"infertap {__version__}")
@@ -99,7 +107,10 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     settings = load_settings(args.config)
     _server_flags(settings, args)
     if args.upstream:
-        settings = with_upstreams(settings, _upstream_flags(args.upstream))
+        ups = _upstream_flags(args.upstream)
+        for up in ups:
+            up.forward_headers = [h.strip().lower() for h in args.forward_header]
+        settings = with_upstreams(settings, ups)
     if not settings.upstreams and os.environ.get("TAOTOKEN_API_KEY"):
         base = os.environ.get("TAOTOKEN_BASE_URL") or TAOTOKEN_BASE_URL
         settings.upstreams = [

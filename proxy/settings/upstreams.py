@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Self
 from urllib.parse import urlsplit
 
@@ -14,6 +15,20 @@ from pydantic import (
 
 from proxy.settings.sections import TAOTOKEN_HOST, RetrySettings, TimeoutSettings, _Section
 
+# RFC 9110 token characters, and an optional trailing `*` for a prefix.
+_HEADER_PATTERN = re.compile(r"[a-z0-9!#$%&'+.^_`|~-]*[a-z0-9!#$%&'+.^_`|~-]\*?|\*")
+_CREDENTIALS = frozenset(
+    {
+        "authorization",
+        "proxy-authorization",
+        "api-key",
+        "x-api-key",
+        "cookie",
+        "set-cookie",
+        "www-authenticate",
+    }
+)
+
 
 class UpstreamSettings(_Section):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
@@ -24,6 +39,16 @@ class UpstreamSettings(_Section):
     headers: dict[str, str] = Field(default_factory=dict)
     fallback: list[str] = Field(
         default_factory=list, description="upstreams to try, in order, when this one's attempts fail"
+    )
+    forward_headers: list[str] = Field(
+        default_factory=list,
+        description="client headers to forward beyond the default allow-list (names, or `prefix-*`), "
+        "e.g. openai-organization; credentials and hop-by-hop headers never pass",
+    )
+    return_headers: list[str] = Field(
+        default_factory=list,
+        description="answer headers to return to clients beyond the default allow-list (names, or "
+        "`prefix-*`); credentials and cookies never pass",
     )
     timeouts: dict[str, float | None] = Field(default_factory=dict, description="overrides [timeouts]")
     retry: dict[str, float] = Field(default_factory=dict, description="overrides [retry]")
@@ -83,6 +108,19 @@ class UpstreamSettings(_Section):
             if name.lower() in ("authorization", "api-key", "x-api-key"):
                 raise ValueError(f"header {name!r} carries a credential: use api_key_env instead")
         return v
+
+    @field_validator("forward_headers", "return_headers")
+    @classmethod
+    def _header_patterns(cls, v: list[str]) -> list[str]:
+        out = []
+        for p in v:
+            name = p.strip().lower()
+            if not _HEADER_PATTERN.fullmatch(name):
+                raise ValueError(f"{p!r} is not a header name (or a `prefix-*` pattern)")
+            if name in _CREDENTIALS:
+                raise ValueError(f"{p!r} carries a credential: it never crosses infertap")
+            out.append(name)
+        return out
 
     @model_validator(mode="after")
     def _one_credential(self) -> Self:

@@ -217,6 +217,8 @@ def run_soak(args: argparse.Namespace) -> Report:
             str(port),
             "--upstream",
             f"soak={upstream_url}",
+            "--forward-header",
+            "x-fake-*",
             "--log-level",
             "warning",
         ]

@@ -11,13 +11,15 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from proxy.core.asgi import RawHeaders
 from proxy.core.error_bodies import MAX_ERROR_BODY, openai_error_body
 from proxy.core.errors import ERRORS, ErrorKind, Phase, UpstreamError, failure_message
 from proxy.core.exchange import Exchange
+from proxy.core.headers import forwarded_headers
 from proxy.core.hooks import ObserverSet
 from proxy.core.model_routing import RETRYABLE_STATUS, Upstream
 from proxy.core.route_table import Route
@@ -46,6 +48,9 @@ class Call:
     # The routed upstream and its fallbacks, fixed at intake: a reload changes new requests only.
     plan: list[Upstream] = field(default_factory=list)
     scanner: SSEScanner | None = None  # the committed stream's: what an in-band error builds on
+    # The client's headers as received, for a fallback whose header policy is not the routed one's.
+    client_headers: Iterable[tuple[bytes, bytes]] = ()
+    client_addr: Any = None
 
     def error_event(self, message: str, kind: str) -> bytes:
         """The in-band error that ends this committed stream, in its route's shape."""
@@ -86,7 +91,13 @@ class Attempter:
 
     def headers_for(self, call: Call, up: Upstream) -> dict[str, str]:
         """The attempt's headers as observers see them: without the key (see `_keyed`)."""
-        headers = dict(call.headers)
+        policy = up.request_policy
+        if policy is call.upstream.request_policy or policy == call.upstream.request_policy:
+            headers = dict(call.headers)
+        else:
+            headers = forwarded_headers(call.client_headers, call.client_addr, up.request_policy)
+            if call.route.json_body and "content-type" not in headers:
+                headers["content-type"] = "application/json"
         headers.update(up.headers)
         headers["accept-encoding"] = "identity"
         headers["x-request-id"] = call.ex.request_id

@@ -43,7 +43,7 @@ from proxy.core.forward.relay import (
     take_facts,
     whole_body_headers,
 )
-from proxy.core.headers import forwarded_headers
+from proxy.core.headers import forwarded_headers, forwarded_query
 from proxy.core.hooks import ObserverSet
 from proxy.core.model_routing import ModelRouter, Upstream
 from proxy.core.paths import PathRejected, passthrough_suffix
@@ -171,9 +171,14 @@ class Forwarder:
         ex.upstream_url = upstream.display_url
         if obj is not None and ex.stream and route.stream_options:
             body = with_usage(ex, obj, body, upstream.name in self.attempter.no_stream_options)
-        if scope.get("query_string"):
-            suffix += "?" + scope["query_string"].decode("latin-1")
-        call = Call(ex, route, upstream, suffix, forwarded_headers(scope), body, original, rid)
+        suffix += forwarded_query(scope.get("query_string", b""))
+        headers = forwarded_headers(scope["headers"], scope.get("client"), upstream.request_policy)
+        if route.json_body and "content-type" not in headers:
+            # The body was read as JSON; without this an engine (FastAPI) sees octet-stream and refuses it.
+            headers["content-type"] = "application/json"
+        call = Call(ex, route, upstream, suffix, headers, body, original, rid)
+        call.client_headers = scope["headers"]
+        call.client_addr = scope.get("client")
         call.plan = routing.plan(upstream)
         self.observers.request_received(ex)
         await self._guarded(receive, send, call)
@@ -347,7 +352,7 @@ class Forwarder:
             call.scanner = ready.scanner
             if not call.opened:
                 call.committed_sse = is_sse
-                headers = response_headers(resp.raw_headers, is_sse, call.rid)
+                headers = response_headers(resp.raw_headers, is_sse, call.rid, up.response_policy)
                 if ready.prefetched is not None:
                     headers = whole_body_headers(headers, ready.prefetched, ready.reshaped)
                 await send({"type": "http.response.start", "status": resp.status, "headers": headers})

@@ -11,7 +11,7 @@ from proxy.core.asgi import RawHeaders, Send
 from proxy.core.exchange import Exchange, Outcome
 from proxy.core.forward.attempts import Call, Ready
 from proxy.core.forward.intake import MAX_JSON_CAPTURE
-from proxy.core.headers import DROP_RESPONSE
+from proxy.core.headers import HeaderPolicy, returned_headers
 from proxy.core.hooks import ObserverSet
 from proxy.core.sse import SSEScanner
 from proxy.core.stream_facts import StreamFacts, absorb_response, usage_details, usage_tokens
@@ -20,14 +20,12 @@ from proxy.core.stream_facts import StreamFacts, absorb_response, usage_details,
 _SSE_OWN = frozenset({b"cache-control", b"x-accel-buffering"})
 
 
-def response_headers(raw: Iterable[tuple[bytes, bytes]], is_sse: bool, rid: RawHeaders) -> RawHeaders:
-    headers: RawHeaders = []
-    for k, v in raw:
-        name = k.lower()
-        if name in DROP_RESPONSE or (is_sse and name in _SSE_OWN):
-            continue
-        headers.append((name, v))
+def response_headers(
+    raw: Iterable[tuple[bytes, bytes]], is_sse: bool, rid: RawHeaders, policy: HeaderPolicy
+) -> RawHeaders:
+    headers = returned_headers(raw, policy)
     if is_sse:
+        headers = [(k, v) for k, v in headers if k not in _SSE_OWN]
         # Tell nginx and friends not to buffer: a buffered stream has no TTFT worth the name.
         headers.append((b"cache-control", b"no-cache"))
         headers.append((b"x-accel-buffering", b"no"))

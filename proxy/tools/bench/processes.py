@@ -283,7 +283,7 @@ class Infertap:
         self.port = free_port()
         cmd = [
             sys.executable, "-m", "proxy", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-            "--upstream", f"bench={upstream_url}/v1",
+            "--upstream", f"bench={upstream_url}/v1", "--forward-header", "x-bench-*",
         ]  # fmt: skip
         if workers > 1:
             cmd += ["--workers", str(workers)]
