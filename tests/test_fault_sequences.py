@@ -34,7 +34,7 @@ from proxy.core.exchange import Exchange
 from proxy.core.hooks import Observer
 from proxy.settings import Settings, UpstreamSettings
 from proxy.tools.fake_upstream import FakeUpstream
-from tests.conftest import RecordingObserver, serve_in_thread, wait_until
+from tests.conftest import TEST_HEADERS, RecordingObserver, serve_in_thread, wait_until
 from tests.promtext import samples, scrape, value
 
 SECRET = "sk-fault-sequence-secret-4242"
@@ -169,9 +169,20 @@ def world() -> Iterator[World]:
 
 def _settings(w: World, stream_headers: str = "first_token") -> Settings:
     ups = [
-        UpstreamSettings(name="a", base_url=w.a_url, models=["a-*"], fallback=["b"], api_key_env=KEY_ENV),
-        UpstreamSettings(name="b", base_url=w.b_url, models=["b-*"], api_key_env=KEY_ENV),
-        UpstreamSettings(name="d", base_url=DEAD, models=["d-*"], fallback=["a"]),
+        UpstreamSettings(
+            name="a",
+            base_url=w.a_url,
+            models=["a-*"],
+            fallback=["b"],
+            api_key_env=KEY_ENV,
+            forward_headers=TEST_HEADERS,
+        ),
+        UpstreamSettings(
+            name="b", base_url=w.b_url, models=["b-*"], api_key_env=KEY_ENV, forward_headers=TEST_HEADERS
+        ),
+        UpstreamSettings(
+            name="d", base_url=DEAD, models=["d-*"], fallback=["a"], forward_headers=TEST_HEADERS
+        ),
     ]
     return Settings.model_validate(
         {

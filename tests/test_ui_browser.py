@@ -29,7 +29,7 @@ import pytest
 from proxy.settings import RetrySettings, Settings, UISettings, UpstreamSettings
 from proxy.sim import create_sim_app, load_sim_config
 from proxy.tools.fake_upstream import FakeUpstream
-from tests.conftest import run_proxy, serve_in_thread, wait_until
+from tests.conftest import TEST_HEADERS, run_proxy, serve_in_thread, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 CI = os.environ.get("CI", "").lower() == "true"
@@ -162,9 +162,15 @@ def test_ui_renders_in_headless_chromium() -> None:
     ):
         settings = Settings(
             upstreams=[
-                UpstreamSettings(name="sim", base_url=f"{sim}/v1", models=["sim-*"]),
                 UpstreamSettings(
-                    name="fake", base_url=f"{fake_url}/v1", default=True, timeouts={"idle": 0.3}
+                    name="sim", base_url=f"{sim}/v1", models=["sim-*"], forward_headers=TEST_HEADERS
+                ),
+                UpstreamSettings(
+                    name="fake",
+                    base_url=f"{fake_url}/v1",
+                    default=True,
+                    timeouts={"idle": 0.3},
+                    forward_headers=TEST_HEADERS,
                 ),
             ],
             retry=RetrySettings(max_attempts=2, backoff_seconds=0),
