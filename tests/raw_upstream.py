@@ -27,8 +27,10 @@ def whole(status: str, content_type: str, body: bytes) -> bytes:
 
 
 @contextmanager
-def raw_upstream(answer: Answer) -> Iterator[str]:
-    """Serves `answer` on an OS-chosen loopback port; yields the base URL (with /v1)."""
+def raw_upstream(answer: Answer, hold: Callable[[dict[str, str]], bool] | None = None) -> Iterator[str]:
+    """Serves `answer` on an OS-chosen loopback port; yields the base URL (with /v1). When `hold`
+    says so for a request's headers, the connection stays open after the answer until the other
+    side closes it."""
     loop = asyncio.new_event_loop()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -42,6 +44,8 @@ def raw_upstream(answer: Answer) -> Iterator[str]:
             await reader.readexactly(int(headers.get("content-length", "0")))
             writer.write(answer(head[0].split(" ")[1], headers))
             await writer.drain()
+            if hold is not None and hold(headers):
+                await reader.read()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:

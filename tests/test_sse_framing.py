@@ -11,12 +11,10 @@ INFERTAP_SSE_EXAMPLES=2000 runs them long (CI: a few seconds).
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 import json
 import os
 import re
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -28,6 +26,7 @@ from hypothesis import strategies as st
 
 from proxy.core.sse import MAX_EVENT_BYTES, MAX_HELD_BYTES, SSEScanner
 from tests.conftest import RecordingObserver, make_settings, run_proxy
+from tests.raw_upstream import raw_upstream
 
 EXAMPLES = int(os.environ.get("INFERTAP_SSE_EXAMPLES", "25"))
 LONG = settings(max_examples=EXAMPLES * 4, deadline=None)
@@ -134,45 +133,19 @@ def test_an_event_that_never_ends_is_capped() -> None:
 
 @contextmanager
 def scripted_upstream(bodies: dict[str, bytes]) -> Iterator[tuple[str, list[dict[str, str]]]]:
-    """A raw upstream answering `bodies[x-case]` byte for byte; with `x-hold`, it then keeps the
+    """A raw upstream answering `bodies[x-test-case]` byte for byte; with `x-test-hold`, it then keeps the
     connection open until infertap closes it (only infertap's idle timeout can end the stream)."""
     seen: list[dict[str, str]] = []
-    loop = asyncio.new_event_loop()
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
-            headers = {}
-            for line in head[1:]:
-                if ":" in line:
-                    name, value = line.split(":", 1)
-                    headers[name.strip().lower()] = value.strip()
-            await reader.readexactly(int(headers.get("content-length", "0")))
-            case = headers.get("x-case")
-            if case is None:  # infertap's background model-list checks
-                writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
-                return
-            seen.append(headers)
-            writer.write(bodies[case])
-            await writer.drain()
-            if "x-hold" in headers:
-                await reader.read()  # until infertap closes the connection
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+    def answer(path: str, headers: dict[str, str]) -> bytes:
+        case = headers.get("x-test-case")
+        if case is None:  # infertap's background model-list checks
+            return b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+        seen.append(headers)
+        return bodies[case]
 
-    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
-    port = server.sockets[0].getsockname()[1]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{port}/v1", seen
-    finally:
-        loop.call_soon_threadsafe(server.close)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        loop.close()
+    with raw_upstream(answer, hold=lambda headers: "x-test-hold" in headers and "x-test-case" in headers) as url:
+        yield url, seen
 
 
 BODIES: dict[str, bytes] = {}
@@ -193,7 +166,7 @@ def proxy() -> Iterator[tuple[str, list[dict[str, str]], RecordingObserver]]:
 
 def _post(base: str, case: str, body: bytes, hold: bool = False) -> httpx.Response:
     BODIES[case] = body
-    headers = {"x-case": case, **({"x-hold": "1"} if hold else {})}
+    headers = {"x-test-case": case, **({"x-test-hold": "1"} if hold else {})}
     req = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     # The client's own timeout is a safety net far above infertap's idle timeout (1 s): a stream
     # that only ends by it is the bug.
