@@ -74,3 +74,11 @@ def test_a_nasty_model_name_through_a_real_proxy(
         assert json.loads(line)["model"] == NASTY
     else:
         assert "\\r\\nfake=line" in line
+
+
+def test_a_huge_model_name_makes_no_huge_log_line() -> None:
+    """Found in review: /metrics was bounded (issue 23, item 2) but a 2 MB model name still made a
+    2 MB access-log line."""
+    for fmt in ("json", "logfmt"):
+        line = _line(fmt, "m" * 2_000_000, "x")
+        assert len(line) < 2_000 and "(2000000 characters)" in line, (fmt, len(line))

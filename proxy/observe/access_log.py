@@ -34,6 +34,16 @@ def _ts(unix_ns: int) -> str:
     return f"{second}.{unix_ns // 1_000_000 % 1000:03d}Z"
 
 
+# A client's model name in a log line: enough to recognise it, never a megabyte-long line.
+MAX_MODEL_CHARS = 256
+
+
+def _capped(model: str | None) -> str | None:
+    if model is None or len(model) <= MAX_MODEL_CHARS:
+        return model
+    return f"{model[:MAX_MODEL_CHARS]}... ({len(model)} characters)"
+
+
 def access_record(ex: Exchange) -> dict[str, Any]:
     """The line's fields, straight from the Exchange, so they equal what the metrics observed."""
     return {
@@ -41,7 +51,7 @@ def access_record(ex: Exchange) -> dict[str, Any]:
         "request_id": ex.request_id,
         "method": ex.method,
         "route": ex.route,
-        "model": ex.model,
+        "model": _capped(ex.model),
         "upstream": ex.upstream,
         "stream": ex.stream,
         "status": ex.status_code,
