@@ -144,7 +144,10 @@ def scripted_upstream(bodies: dict[str, bytes]) -> Iterator[tuple[str, list[dict
         seen.append(headers)
         return bodies[case]
 
-    with raw_upstream(answer, hold=lambda headers: "x-test-hold" in headers and "x-test-case" in headers) as url:
+    def hold(headers: dict[str, str]) -> bool:
+        return "x-test-hold" in headers and "x-test-case" in headers
+
+    with raw_upstream(answer, hold=hold) as url:
         yield url, seen
 
 
