@@ -18,7 +18,7 @@ import pytest
 
 from proxy.core.error_bodies import EXCERPT_CHARS, MAX_ERROR_BODY, openai_error_body
 from proxy.settings import UpstreamSettings
-from tests.conftest import CHAT, make_settings, run_proxy
+from tests.conftest import CHAT, TEST_HEADERS, make_settings, run_proxy
 from tests.raw_upstream import chunked, raw_upstream, whole
 
 TOO_LONG = "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens."
@@ -41,7 +41,7 @@ OPENAI_SHAPED = {
 KEY = "sk-upstream-0123456789abcdef"
 VLLM_502 = "upstream 'vllm' answered HTTP 502"
 
-# x-shape: (status line, content type, body)
+# x-test-shape: (status line, content type, body)
 SHAPES: dict[str, tuple[str, str, bytes]] = {
     "vllm": ("400 Bad Request", "application/json", json.dumps(VLLM).encode()),
     "sglang": ("400 Bad Request", "application/json", json.dumps(SGLANG).encode()),
@@ -56,8 +56,8 @@ SHAPES: dict[str, tuple[str, str, bytes]] = {
 
 
 def _answer(path: str, headers: dict[str, str]) -> bytes:
-    status, content_type, body = SHAPES.get(headers.get("x-shape", ""), SHAPES["openai"])
-    if headers.get("x-chunked") == "1":
+    status, content_type, body = SHAPES.get(headers.get("x-test-shape", ""), SHAPES["openai"])
+    if headers.get("x-test-chunked") == "1":
         return chunked(status, content_type, body, piece=7)
     return whole(status, content_type, body)
 
@@ -69,7 +69,12 @@ def proxy() -> Iterator[str]:
     with raw_upstream(_answer) as url:
         settings = make_settings()
         settings.upstreams = [
-            UpstreamSettings(name="vllm", base_url=url, api_key_env="INFERTAP_TEST_UPSTREAM_KEY")
+            UpstreamSettings(
+                name="vllm",
+                base_url=url,
+                api_key_env="INFERTAP_TEST_UPSTREAM_KEY",
+                forward_headers=TEST_HEADERS,
+            )
         ]
         settings.retry.max_attempts = 1
         with run_proxy(settings) as proxy:
@@ -78,7 +83,7 @@ def proxy() -> Iterator[str]:
 
 
 def _post(proxy: str, shape: str, **extra: Any) -> httpx.Response:
-    headers = {"x-shape": shape, **extra.pop("headers", {})}
+    headers = {"x-test-shape": shape, **extra.pop("headers", {})}
     return httpx.post(f"{proxy}/v1/chat/completions", json={**CHAT, **extra}, headers=headers, timeout=30)
 
 
@@ -103,7 +108,7 @@ def test_the_openai_sdk_shows_the_engines_message(proxy: str, shape: str, messag
             model="m",
             messages=CHAT["messages"],  # type: ignore[arg-type]
             stream=stream,
-            extra_headers={"x-shape": shape},
+            extra_headers={"x-test-shape": shape},
         )
     client.close()
     err = raised.value
@@ -112,7 +117,7 @@ def test_the_openai_sdk_shows_the_engines_message(proxy: str, shape: str, messag
     assert isinstance(err.body, dict) and err.body["message"] == message
     # What the JavaScript SDKs read: `error.message` in an OpenAI-shaped body, of the stated length.
     for chunked_body in ("0", "1"):
-        r = _post(proxy, shape, stream=stream, headers={"x-chunked": chunked_body})
+        r = _post(proxy, shape, stream=stream, headers={"x-test-chunked": chunked_body})
         assert r.status_code == status and "error" in r.json(), r.text
         error = r.json()["error"]
         assert error["message"] == message and {"type", "param", "code"} <= set(error)
@@ -143,9 +148,9 @@ def test_a_key_the_upstream_echoes_is_masked(proxy: str) -> None:
 
 
 def test_a_passthrough_routes_error_page_is_shaped_too(proxy: str) -> None:
-    r = httpx.get(f"{proxy}/v1/files/file-1/content", headers={"x-shape": "html"}, timeout=30)
+    r = httpx.get(f"{proxy}/v1/files/file-1/content", headers={"x-test-shape": "html"}, timeout=30)
     assert r.status_code == 502 and r.json()["error"]["message"].endswith("502 Bad Gateway")
-    r = httpx.get(f"{proxy}/v1/files/file-1/content", headers={"x-shape": "ok-text"}, timeout=30)
+    r = httpx.get(f"{proxy}/v1/files/file-1/content", headers={"x-test-shape": "ok-text"}, timeout=30)
     assert r.status_code == 200 and r.content == SHAPES["ok-text"][2]
 
 

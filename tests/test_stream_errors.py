@@ -208,12 +208,12 @@ def test_responses_error_events_continue_the_numbering_and_the_response() -> Non
 
 
 def _answer(path: str, headers: dict[str, str]) -> bytes:
-    if "x-stream" not in headers:  # infertap's background model-list checks
+    if "x-test-stream" not in headers:  # infertap's background model-list checks
         return not_found(path, headers)
-    stream, _ = STREAMS[headers["x-stream"]]
-    cut, framing = int(headers["x-cut-at"]), headers["x-framing"]
+    stream, _ = STREAMS[headers["x-test-stream"]]
+    cut, framing = int(headers["x-test-cut-at"]), headers["x-test-framing"]
     if framing == "chunked":
-        return chunked("200 OK", "text/event-stream", stream, cut, int(headers["x-piece"]))
+        return chunked("200 OK", "text/event-stream", stream, cut, int(headers["x-test-piece"]))
     length = f"content-length: {len(stream)}\r\n" if framing == "length" else ""
     head = f"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n{length}connection: close\r\n\r\n"
     return head.encode() + stream[:cut]
@@ -268,7 +268,12 @@ def test_a_cut_upstream_through_infertap_ends_on_an_event_boundary(
     name, n, framing, piece = cut
     stream, route = STREAMS[name]
     path, body = _request(name)
-    headers = {"x-stream": name, "x-cut-at": str(n), "x-framing": framing, "x-piece": str(piece)}
+    headers = {
+        "x-test-stream": name,
+        "x-test-cut-at": str(n),
+        "x-test-framing": framing,
+        "x-test-piece": str(piece),
+    }
     r = httpx.post(base + path, json=body, headers=headers, timeout=30)
     if r.status_code != 200:
         # Cut before the first output event: nothing was committed, a plain JSON error says why.
@@ -300,10 +305,10 @@ def test_a_failed_responses_stream_ends_in_the_responses_shape(proxy: tuple[str,
         ("close", "without response.completed"),
     ):
         headers = {
-            "x-stream": "responses",
-            "x-cut-at": str(third_delta),
-            "x-framing": framing,
-            "x-piece": "50",
+            "x-test-stream": "responses",
+            "x-test-cut-at": str(third_delta),
+            "x-test-framing": framing,
+            "x-test-piece": "50",
         }
         path, body = _request("responses")
         raw = httpx.post(base + path, json=body, headers=headers, timeout=30)

@@ -84,8 +84,8 @@ def render(engine: str, chat: bool, words: list[str], include_usage: bool) -> by
 
 
 class EngineUpstream:
-    """An ASGI upstream that streams `x_words` (a field of the request body) as `x-engine` would,
-    in pieces of `x-piece` bytes; it remembers whether each request asked for usage."""
+    """An ASGI upstream that streams `x_words` (a field of the request body) as `x-test-engine` would,
+    in pieces of `x-test-piece` bytes; it remembers whether each request asked for usage."""
 
     def __init__(self) -> None:
         self.asked: list[bool] = []
@@ -103,7 +103,7 @@ class EngineUpstream:
             if not message.get("more_body"):
                 break
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
-        if scope["method"] != "POST" or "x-engine" not in headers:
+        if scope["method"] != "POST" or "x-test-engine" not in headers:
             await send({"type": "http.response.start", "status": 404, "headers": []})
             await send({"type": "http.response.body", "body": b"{}"})
             return
@@ -111,10 +111,10 @@ class EngineUpstream:
         asked = bool((req.get("stream_options") or {}).get("include_usage"))
         self.asked.append(asked)
         chat = scope["path"].endswith("/chat/completions")
-        stream = render(headers["x-engine"], chat, req["x_words"], asked)
+        stream = render(headers["x-test-engine"], chat, req["x_words"], asked)
         ctype = [(b"content-type", b"text/event-stream")]
         await send({"type": "http.response.start", "status": 200, "headers": ctype})
-        piece = int(headers["x-piece"])
+        piece = int(headers["x-test-piece"])
         for i in range(0, len(stream), piece):
             await send({"type": "http.response.body", "body": stream[i : i + piece], "more_body": True})
         await send({"type": "http.response.body", "body": b""})
@@ -170,7 +170,7 @@ def test_the_client_reads_the_bytes_of_a_direct_connection(
     body |= {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
     if client_asks is not None:
         body["stream_options"] = {"include_usage": client_asks}
-    headers = {"x-engine": name, "x-piece": str(piece)}
+    headers = {"x-test-engine": name, "x-test-piece": str(piece)}
     expected = _post(direct, path, body, headers)
     upstream.asked.clear()
     got = _post(proxy, path, body, headers)
