@@ -82,6 +82,19 @@ class ServerSettings(_Section):
         gt=0,
         description="with stream_headers = immediately: an SSE comment this often until the first token",
     )
+    # What one upstream stream may make infertap hold (proxy/core/sse.py), whatever the upstream sends.
+    max_sse_event_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        gt=0,
+        description="an upstream SSE event still incomplete (no blank line) past this many bytes ends "
+        "the stream: the attempt fails before the first token, an in-band error after it",
+    )
+    max_sse_held_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        gt=0,
+        description="what a stream may send before its first output event (all of it is held, so that "
+        "a retry stays invisible); past it the attempt fails",
+    )
     ready_needs_upstream: bool = Field(
         default=False, description="/readyz also needs one upstream whose circuit is not open"
     )
