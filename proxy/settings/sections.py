@@ -187,8 +187,9 @@ class AuthSettings(_Section):
     )
     open: bool = Field(
         default=False,
-        description="say so to serve without client keys, or without the admin token, after a reload "
-        "that removes them (a reload that would open the proxy is refused without it)",
+        description="say so to serve without client keys on an address beyond loopback (refused at "
+        "start-up without it), or without client keys or the admin token after a reload that removes "
+        "them (refused without it)",
     )
 
 
