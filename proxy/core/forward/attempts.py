@@ -151,6 +151,12 @@ class Attempter:
                 ex.status_code = status = resp.status
                 ex.first_byte_at = time.perf_counter()
                 obs.first_byte(ex)
+                if not 200 <= status <= 599:
+                    # A 101 (an upgrade nobody asked for) is handed over as the final answer; relayed,
+                    # it would switch the client's connection to a protocol it never asked for.
+                    raise UpstreamError(
+                        ErrorKind.UPSTREAM_5XX, None, f"answered HTTP {status}, no answer to a request"
+                    )
                 phase = Phase.FIRST_TOKEN if generation_stream and status == 200 else Phase.RESPONSE
                 if status in RETRYABLE_STATUS and not last:
                     kind = ErrorKind.UPSTREAM_429 if status == 429 else ErrorKind.UPSTREAM_5XX
