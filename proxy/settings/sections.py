@@ -80,7 +80,8 @@ class ServerSettings(_Section):
     stream_keep_alive_seconds: float = Field(
         default=5.0,
         gt=0,
-        description="with stream_headers = immediately: an SSE comment this often until the first token",
+        description="with stream_headers = immediately: infertap's SSE comment after this long without "
+        "traffic (the upstream's own comments go on as they arrive), until the first token",
     )
     # What one upstream stream may make infertap hold (proxy/core/sse.py), whatever the upstream sends.
     max_sse_event_bytes: int = Field(
