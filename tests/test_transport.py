@@ -11,17 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import httpx
 import pytest
 import trustme
 
+from proxy.app import create_app
 from proxy.core.errors import ErrorKind, UpstreamError
 from proxy.core.seam import Pool, Timeouts, UpstreamClient
 from proxy.transport import CLIENTS, H1Client
 from proxy.transport.h1_response import HIGH_WATER
+from tests.conftest import make_settings, serve_in_thread
+from tests.promtext import scrape, value
 
 T = Timeouts(connect=5, pool=5, idle=5)
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -155,25 +160,26 @@ def test_a_redirect_is_never_followed(name: str) -> None:
 # -- the pool race ----------------------------------------------------------------------------------
 @dataclass
 class RaceUpstream:
-    """Answers the first request on the first connection with keep-alive; what follows on that
+    """Answers the first request on each connection with keep-alive; what follows on that
     connection is `then` (b"": closed unanswered, as an upstream whose keep-alive ran out the
-    moment the request came); every later connection is answered normally."""
+    moment the next request came), and the connection is closed."""
 
     then: bytes
+    answer: bytes = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
     connections: int = 0
     requests: list[str] = field(default_factory=list)
 
     async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
-        first = self.connections == 1
         try:
             self.requests.append((await read_request(reader))[0])
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            writer.write(self.answer)
             await writer.drain()
-            if first:
-                self.requests.append((await read_request(reader))[0])
-                writer.write(self.then)
-                await writer.drain()
+            self.requests.append((await read_request(reader))[0])
+            writer.write(self.then)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the client closed its kept connection
         finally:
             writer.close()
 
@@ -191,6 +197,40 @@ def test_a_kept_connection_closed_under_us_is_asked_again_on_a_fresh_one() -> No
         assert up.connections == 2 and len(up.requests) == 3
 
     run(H1Client, test)
+
+
+def test_through_infertap_the_pool_race_is_no_retry_and_no_failure() -> None:
+    body = b'{"object":"chat.completion","choices":[]}'
+    up = RaceUpstream(
+        then=b"",
+        answer=b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+        % (len(body), body),
+    )
+    loop = asyncio.new_event_loop()
+    srv = loop.run_until_complete(asyncio.start_server(up, "127.0.0.1", 0))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}/v1"
+        settings = make_settings(("u", url))
+        settings.server.upstream_client = "httptools"
+        with serve_in_thread(create_app(settings)) as proxy, httpx.Client(timeout=10) as http:
+            chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            for _ in range(3):
+                r = http.post(f"{proxy}/v1/chat/completions", json=chat)
+                assert (r.status_code, r.content) == (200, body)
+            text = scrape(proxy)
+    finally:
+        loop.call_soon_threadsafe(srv.close)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+    assert value(text, "infertap_requests_total", upstream="u", outcome="ok") == 3
+    assert value(text, "infertap_retries_total") == 0, "no retry counted"
+    assert value(text, "infertap_upstream_attempts_total", upstream="u") == 3
+    assert value(text, "infertap_upstream_attempts_total", upstream="u", result="ok") == 3
+    assert value(text, "infertap_upstream_up", upstream="u") == 1
+    assert up.connections >= 3, "each kept connection met the race once"
 
 
 def test_a_kept_connection_that_broke_mid_answer_is_a_real_failure() -> None:
