@@ -255,19 +255,19 @@ def test_a_consumer_that_stops_reading_pauses_the_upstream() -> None:
     total = 32 * 1024 * 1024
     piece = b"x" * 65536
     written = 0
-    blocked = asyncio.Event()
+    draining = False  # the upstream waits for its socket to take more
 
     async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal written
+        nonlocal written, draining
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % total)
         try:
             while written < total:
                 writer.write(piece)
                 written += len(piece)
-                if writer.transport.get_write_buffer_size():
-                    blocked.set()  # the socket did not take it all: the client reads slower
+                draining = True
                 await writer.drain()
+                draining = False
         except ConnectionError:
             pass
         finally:
@@ -279,11 +279,10 @@ def test_a_consumer_that_stops_reading_pauses_the_upstream() -> None:
             chunks = resp.chunks()
             got = len(await chunks.__anext__())
             conn = resp._conn  # type: ignore[attr-defined]
-            while not conn.paused:  # the buffer fills while the upstream writes, then reading stops
-                blocked.clear()
-                await asyncio.wait_for(blocked.wait(), 10)
-            held = resp._size  # type: ignore[attr-defined]
-            assert held <= HIGH_WATER + 1024 * 1024, "the buffer is bounded"
+            # The buffer fills while the upstream writes; then infertap stops reading, and the
+            # upstream's writes wait on its full socket.
+            await until(lambda: conn.paused and draining)
+            assert resp._size <= HIGH_WATER + 1024 * 1024, "the buffer is bounded"  # type: ignore[attr-defined]
             assert written < total // 2, "the upstream was held back, not read into memory"
             async for data in chunks:  # reading again resumes it
                 got += len(data)
@@ -291,6 +290,13 @@ def test_a_consumer_that_stops_reading_pauses_the_upstream() -> None:
             assert got == total
 
     run(H1Client, test)
+
+
+async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Polls `cond` (a deadline, not a sleep that passes)."""
+    async with asyncio.timeout(timeout):
+        while not cond():
+            await asyncio.sleep(0.005)
 
 
 # -- TLS and proxies --------------------------------------------------------------------------------
