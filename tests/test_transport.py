@@ -98,6 +98,8 @@ FRAMINGS = {
     + b"".join(b"%x\r\n%s\r\n" % (100, BODY[i : i + 100]) for i in range(0, len(BODY), 100))
     + b"0\r\n\r\n",
     "close": b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\n" + BODY,
+    "after a 100": b"HTTP/1.1 100 Continue\r\nx-interim: 1\r\n\r\n"
+    + b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(BODY), BODY),
 }
 
 
@@ -133,6 +135,18 @@ def test_a_malformed_answer_is_an_upstream_error(name: str, answer: bytes) -> No
             assert (e.value.kind, e.value.message) == (ErrorKind.UPSTREAM_5XX, "sent malformed HTTP")
 
     run(CLIENTS[name], test)
+
+
+def test_an_upgrade_is_no_answer_to_relay() -> None:
+    switch = b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\nxx"
+
+    async def test(client: UpstreamClient) -> None:
+        async with server(answering(switch)) as port:
+            with pytest.raises(UpstreamError) as e:
+                await body_of(client, f"http://127.0.0.1:{port}/v1/x")
+            assert (e.value.kind, e.value.message) == (ErrorKind.UPSTREAM_5XX, "sent malformed HTTP")
+
+    run(H1Client, test)
 
 
 @IMPLEMENTATIONS

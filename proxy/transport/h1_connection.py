@@ -92,7 +92,7 @@ class H1Connection(asyncio.Protocol):
         self.last_read = self.loop.time()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as e:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
             self._end(h1_errors.error(e))
             self.close()
 
@@ -103,7 +103,11 @@ class H1Connection(asyncio.Protocol):
         resp = self.resp
         assert resp is not None
         status = self.parser.get_status_code()
-        if 100 <= status < 200 and status != 101:
+        if status == 101:  # switching protocols: no answer to relay, malformed as a proxy sees it
+            self._end(h1_errors.error(httptools.HttpParserUpgrade()))
+            self.close()
+            return
+        if 100 <= status < 200:
             self.interim = True
             resp.raw_headers.clear()
             return

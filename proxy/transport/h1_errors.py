@@ -60,7 +60,7 @@ def error(exc: BaseException) -> UpstreamError:
     """The client's `error(exc)`: anything a send or a read raised."""
     if isinstance(exc, UpstreamError):
         return exc
-    if isinstance(exc, httptools.HttpParserError):
+    if isinstance(exc, httptools.HttpParserError | httptools.HttpParserUpgrade):
         return UpstreamError(ErrorKind.UPSTREAM_5XX, None, MALFORMED)
     if isinstance(exc, OSError):
         reason = _os_reason(exc)
