@@ -13,7 +13,9 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-Answer = Callable[[str, dict[str, str]], bytes]
+# The raw bytes to write; or parts, where a threading.Event means: wait for it (up to 30 s) before
+# writing on (an upstream that waits for the client to have seen something).
+Answer = Callable[[str, dict[str, str]], bytes | list[bytes | threading.Event]]
 
 
 def not_found(path: str, headers: dict[str, str]) -> bytes:
@@ -42,8 +44,13 @@ def raw_upstream(answer: Answer, hold: Callable[[dict[str, str]], bool] | None =
                     name, value = line.split(":", 1)
                     headers[name.strip().lower()] = value.strip()
             await reader.readexactly(int(headers.get("content-length", "0")))
-            writer.write(answer(head[0].split(" ")[1], headers))
-            await writer.drain()
+            parts = answer(head[0].split(" ")[1], headers)
+            for part in [parts] if isinstance(parts, bytes) else parts:
+                if isinstance(part, threading.Event):
+                    await asyncio.get_running_loop().run_in_executor(None, part.wait, 30)
+                    continue
+                writer.write(part)
+                await writer.drain()
             if hold is not None and hold(headers):
                 await reader.read()
         except (asyncio.IncompleteReadError, ConnectionError):

@@ -66,6 +66,9 @@ def test_every_port_is_published_on_loopback_only() -> None:
     assert len(published) >= 6
     for name, port in published:
         assert port["host_ip"] == "127.0.0.1", (name, port)
+    # The proxies listen on 0.0.0.0 in their containers, open on purpose only because of this.
+    for name in ("infertap", "infertap-gpu"):
+        assert gpu["services"][name]["environment"]["INFERTAP_AUTH__OPEN"] == "true", name
     text = COMPOSE.read_text()
     assert "GRAFANA_ADMIN_PASSWORD:?" in text  # no admin/admin: compose refuses to start without it
 

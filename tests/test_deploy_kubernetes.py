@@ -75,8 +75,12 @@ def test_deployment(rendered: tuple[Path, list[dict[str, Any]]]) -> None:
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert c["ports"][0]["containerPort"] == 8080
     assert c["resources"]["requests"] and c["resources"]["limits"]
-    (key,) = c["env"]
-    assert key["valueFrom"]["secretKeyRef"]["name"] == "infertap-keys"
+    env = {e["name"]: e for e in c["env"]}
+    assert set(env) == {"TAOTOKEN_API_KEY", "INFERTAP_CLIENT_KEYS"}
+    for key in env.values():
+        assert key["valueFrom"]["secretKeyRef"]["name"] == "infertap-keys"
+    # It listens on 0.0.0.0: without client keys infertap would not start, so the pod must not either.
+    assert not env["INFERTAP_CLIENT_KEYS"]["valueFrom"]["secretKeyRef"].get("optional", False)
     configmaps = {d["metadata"]["name"] for d in by_kind(rendered[1], "ConfigMap")}
     (cfg_volume,) = [v for v in pod["volumes"] if "configMap" in v]
     assert cfg_volume["configMap"]["name"] in configmaps  # kustomize rewrote the hashed name
@@ -125,6 +129,10 @@ def test_config_toml_loads() -> None:
     settings = settings_module.load_settings(path)
     assert settings.server.host == "0.0.0.0" and settings.server.port == 8080
     assert any(u.api_key_env == "TAOTOKEN_API_KEY" for u in settings.upstreams)
+    # Beyond loopback: with client keys (from the Secret), or `infertap serve` refuses to start.
+    assert settings.auth.keys_env == "INFERTAP_CLIENT_KEYS" and not settings.auth.open
+    exposure = pytest.importorskip("proxy.server.exposure")
+    exposure.refuse_open_beyond_loopback(settings)
 
 
 def test_dashboards_configmap(rendered: tuple[Path, list[dict[str, Any]]]) -> None:

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from proxy.server.exposure import is_loopback
 from tests.conftest import CHAT, serve_process, wait_until
 
 MESSAGES = [{"role": "user", "content": "Explain prefill and decode."}]
@@ -293,3 +294,47 @@ def test_workers_log_their_lines_and_the_access_log(tmp_path: Path) -> None:
     text = log.read_text()
     assert "infertap.access" in text
     assert text.count("infertap.app: upstream sim [default]") == 2, text  # one per worker
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.5"])
+def test_listening_beyond_loopback_without_client_keys_is_refused(host: str) -> None:
+    """Issue 24: anyone who reaches a non-loopback address would use the upstreams' keys; start-up
+    says what to do instead (before: it started, open to everyone)."""
+    env = _clean_env(INFERTAP_UPSTREAMS='[{"name": "x", "base_url": "http://127.0.0.1:9/v1"}]')
+    r = _serve("--host", host, "--port", "0", env=env)
+    _one_clear_line(r, f"refusing to listen on {host} without client keys", "keys_env", "open = true")
+    assert "--host 127.0.0.1" in r.stderr and "Application startup complete" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"INFERTAP_AUTH__KEYS_ENV": "TEST_CLIENT_KEYS", "TEST_CLIENT_KEYS": "k-1"},
+        {"INFERTAP_AUTH__OPEN": "true"},
+    ],
+    ids=["client-keys", "open"],
+)
+def test_listening_beyond_loopback_with_client_keys_or_said_open_starts(extra: dict[str, str]) -> None:
+    env = _clean_env(INFERTAP_UPSTREAMS='[{"name": "x", "base_url": "http://127.0.0.1:9/v1"}]', **extra)
+    with serve_process("--host", "0.0.0.0", env=env) as (base, _):  # reached through 127.0.0.1 only
+        assert httpx.get(f"{base}/healthz", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.8.9.10", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("", False),
+        ("10.0.0.7", False),
+        ("fe80::1", False),
+        ("example.internal", False),
+    ],
+)
+def test_what_counts_as_loopback(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback

@@ -233,6 +233,44 @@ def test_a_flood_before_the_first_token_is_refused(proxy: tuple[str, list[dict[s
     assert f"more than {MAX_HELD_BYTES} bytes without an output event" in r.json()["error"]["message"]
 
 
+def test_the_stream_limits_are_settings() -> None:
+    """Item 13: [server] max_sse_event_bytes and max_sse_held_bytes bound a stream (before: the
+    settings did not exist, the 8 MiB constants held whatever the configuration said)."""
+    bodies: dict[str, bytes] = {}
+    with scripted_upstream(bodies) as (url, _):
+        s = make_settings(("raw", url), server={"max_sse_event_bytes": 4096, "max_sse_held_bytes": 2048})
+        s.retry.max_attempts = 1
+        s.timeouts.idle = 5
+        with run_proxy(s) as base:
+            first = b"data: " + _delta("hi") + b"\n\n"
+            # No blank line after it: an event that is complete in one read is not held, whatever its size.
+            big = first + b"data: " + b"x" * 100_000 + b"\ndata: more\n"
+            r = _post_to(base, bodies, "big", _framed(big, "close"))
+            if r.status_code == 200:
+                assert r.content.startswith(first)
+                error = json.loads(_events(r.content)[-1])["error"]
+            else:  # the first event and the line came in one read: the attempt failed before commit
+                assert r.status_code == 502
+                error = r.json()["error"]
+            assert "more than 4096 bytes without the blank line" in error["message"]
+            # Without an output event (one in the same read would end the count there).
+            flood = b": keep-alive\n\n" * 300
+            r = _post_to(base, bodies, "flood", _framed(flood, "close"))
+            assert r.status_code == 502, r.content[:200]
+            assert "more than 2048 bytes without an output event" in r.json()["error"]["message"]
+            # Under both limits: relayed whole.
+            fine = b": keep-alive\n\n" * 100 + first + b"data: " + _delta("y" * 3000) + b"\n\n"
+            fine += b"data: [DONE]\n\n"
+            r = _post_to(base, bodies, "fine", _framed(fine, "close"))
+            assert r.status_code == 200 and r.content == fine
+
+
+def _post_to(base: str, bodies: dict[str, bytes], case: str, body: bytes) -> httpx.Response:
+    bodies[case] = body
+    req = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    return httpx.post(base + "/v1/chat/completions", json=req, headers={"x-test-case": case}, timeout=60)
+
+
 def test_a_compressed_stream_is_refused(proxy: tuple[str, list[dict[str, str]], Any]) -> None:
     """Item 14: infertap asks for identity; a gzip stream anyway fails the attempt with a clear
     502 (before: 200, the compressed bytes, then a plaintext error appended to them)."""

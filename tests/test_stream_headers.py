@@ -4,6 +4,8 @@ token in-band (issue 23, item 8)."""
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 import openai
 import pytest
@@ -13,6 +15,7 @@ from proxy.settings import Settings
 from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import CHAT, RecordingObserver, make_settings, run_proxy, serve_in_thread, wait_until
 from tests.promtext import scrape, value
+from tests.raw_upstream import not_found, raw_upstream
 
 STREAM = {**CHAT, "stream": True}
 KEEP_ALIVE = b": keep-alive\n\n"
@@ -254,3 +257,48 @@ def test_shutdown_before_the_first_token_ends_in_band(fake: tuple[FakeUpstream, 
         assert rec.terminal_count(ex.request_id) == 1 and str(ex.outcome) == "shutdown"
         assert outcome_count(proxy, "shutdown") == 1
         settled(proxy)
+
+
+def test_the_upstreams_comments_reach_the_client_while_it_waits() -> None:
+    """Issue 24, item 13: in an early stream the upstream's own keep-alive comments go on as they
+    arrive, before the first token, so a load balancer sees the upstream's traffic; the events held
+    with them (a role chunk) still wait for the commit (before: the comments were held too, so
+    the upstream, which sends its first token only once the client has its comment, never did and
+    the request ended at its ttft timeout)."""
+    client_saw_it = threading.Event()
+    role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+    first = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+
+    def chunk(data: bytes) -> bytes:
+        return b"%x\r\n" % len(data) + data + b"\r\n"
+
+    def answer(path: str, headers: dict[str, str]) -> list[bytes | threading.Event]:
+        if "x-test-case" not in headers:  # the background model-list checks
+            return [not_found(path, headers)]
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        # A comment whose event is not complete yet (no blank line) is not passed on: it comes whole.
+        return [
+            head + chunk(b": upstream-ping\n\n" + role + b": half"),
+            client_saw_it,
+            chunk(b" a comment\n\n" + first + b"data: [DONE]\n\n") + b"0\r\n\r\n",
+        ]
+
+    with raw_upstream(answer) as url:
+        settings = early(make_settings(("raw", url)), keep_alive=600)  # infertap's own: none here
+        settings.timeouts.ttft = settings.timeouts.idle = 10
+        with run_proxy(settings) as proxy, httpx.Client(timeout=30) as c:
+            try:
+                with c.stream(
+                    "POST", f"{proxy}/v1/chat/completions", json=STREAM, headers={"x-test-case": "ping"}
+                ) as r:
+                    body = b""
+                    for raw in r.iter_raw():
+                        body += raw
+                        if b": upstream-ping\n\n" in body and not client_saw_it.is_set():
+                            # Nothing else yet: the role chunk is held until the first token.
+                            assert body == b": upstream-ping\n\n"
+                            client_saw_it.set()
+            finally:
+                client_saw_it.set()
+    # A comment that comes with the first token goes in its place among the events.
+    assert body == b": upstream-ping\n\n" + role + b": half a comment\n\n" + first + b"data: [DONE]\n\n", body

@@ -7,6 +7,7 @@ import signal
 import sys
 
 from proxy.server.embedded_engine import embedded_engine
+from proxy.server.exposure import refuse_open_beyond_loopback
 from proxy.server.logs import configure_logging
 from proxy.server.options import build_parser, resolve_settings
 from proxy.server.os_limits import raise_nofile
@@ -33,6 +34,7 @@ def main(argv: list[str]) -> int:
     configure_logging(args.log_level or "info")
     try:
         settings = resolve_settings(args)
+        refuse_open_beyond_loopback(settings)
         if settings.upstreams:
             run(settings, argv)
             return 0

@@ -100,6 +100,7 @@ class Runtime:
             stream_headers=s.stream_headers,
             keep_alive_seconds=s.stream_keep_alive_seconds,
             body_timeout=s.body_timeout,
+            stream_limits=(s.max_sse_event_bytes, s.max_sse_held_bytes),
         )
         checker = UpstreamChecker(routing, client, s.upstream_check_interval, s.upstream_check_timeout)
         drain = Drain(s.drain_delay, s.drain_timeout, forwarder.shut_down)

@@ -61,6 +61,7 @@ _USAGE_NULL = re.compile(rb'"usage"\s*:\s*null\s*(?=[,}])')
 # as the rest of the CRLF. A CRLF stream's `\r\n\r` waits for its LF (_last_boundary).
 _BLANK = re.compile(rb"(?:\r\n|\n|\r(?!\n))(?:\r\n|\n|\r)")
 _DATA_PREFIX = re.compile(rb"^data: ?", re.MULTILINE)
+_LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
 def event_data(event: bytes) -> bytes:
@@ -354,6 +355,28 @@ def _has(event: bytes, key: bytes, pattern: re.Pattern[bytes]) -> bool:
     """`pattern` (which starts with `key`) matches at the first occurrence of `key`."""
     i = event.find(key)
     return i >= 0 and pattern.match(event, i) is not None
+
+
+def split_comments(events: bytes) -> tuple[bytes, bytes]:
+    """(the comment-only events in `events`, the rest), each in order: `events` is complete events,
+    as `SSEScanner.feed` returns them. A comment-only event is one whose every line starts with `:`
+    (an upstream's `: keep-alive`): no client acts on it, so it may go out before the events held."""
+    if b":" not in events:
+        return b"", events
+    comments: list[bytes] = []
+    rest: list[bytes] = []
+    start = 0
+    for end in _event_ends(events):
+        event = events[start:end]
+        start = end
+        lines = _LINE_END.split(event)
+        if event[:1] == b":" and all(line[:1] == b":" for line in lines if line):
+            comments.append(event)
+        else:
+            rest.append(event)
+    if start < len(events):
+        rest.append(events[start:])
+    return b"".join(comments), b"".join(rest)
 
 
 def _event_ends(chunk: bytes) -> list[int]:

@@ -84,7 +84,21 @@ class ServerSettings(_Section):
     stream_keep_alive_seconds: float = Field(
         default=5.0,
         gt=0,
-        description="with stream_headers = immediately: an SSE comment this often until the first token",
+        description="with stream_headers = immediately: infertap's SSE comment after this long without "
+        "traffic (the upstream's own comments go on as they arrive), until the first token",
+    )
+    # What one upstream stream may make infertap hold (proxy/core/sse.py), whatever the upstream sends.
+    max_sse_event_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        gt=0,
+        description="an upstream SSE event still incomplete (no blank line) past this many bytes ends "
+        "the stream: the attempt fails before the first token, an in-band error after it",
+    )
+    max_sse_held_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        gt=0,
+        description="what a stream may send before its first output event (all of it is held, so that "
+        "a retry stays invisible); past it the attempt fails",
     )
     ready_needs_upstream: bool = Field(
         default=False, description="/readyz also needs one upstream whose circuit is not open"
@@ -178,8 +192,9 @@ class AuthSettings(_Section):
     )
     open: bool = Field(
         default=False,
-        description="say so to serve without client keys, or without the admin token, after a reload "
-        "that removes them (a reload that would open the proxy is refused without it)",
+        description="say so to serve without client keys on an address beyond loopback (refused at "
+        "start-up without it), or without client keys or the admin token after a reload that removes "
+        "them (refused without it)",
     )
 
 

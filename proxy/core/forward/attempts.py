@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ from proxy.core.hooks import ObserverSet
 from proxy.core.model_routing import RETRYABLE_STATUS, Upstream
 from proxy.core.route_table import Route
 from proxy.core.seam import UpstreamClient, UpstreamResponse
-from proxy.core.sse import SSEScanner
+from proxy.core.sse import MAX_EVENT_BYTES, MAX_HELD_BYTES, SSEScanner, split_comments
 
 
 @dataclass(slots=True)
@@ -45,6 +45,8 @@ class Call:
     # attempt (forward/early.py); every end from then on is in-band.
     opened: bool = False
     keep_alive: asyncio.Task[None] | None = None  # its comments, until the first output event
+    # While an early stream waits for its first output event: sends the upstream's comments on.
+    pass_comments: Callable[[bytes], Awaitable[None]] | None = None
     # The routed upstream and its fallbacks, fixed at intake: a reload changes new requests only.
     plan: list[Upstream] = field(default_factory=list)
     scanner: SSEScanner | None = None  # the committed stream's: what an in-band error builds on
@@ -82,8 +84,17 @@ class Failure:
 
 
 class Attempter:
-    def __init__(self, client: UpstreamClient, observers: ObserverSet) -> None:
+    def __init__(
+        self,
+        client: UpstreamClient,
+        observers: ObserverSet,
+        max_event_bytes: int = MAX_EVENT_BYTES,
+        max_held_bytes: int = MAX_HELD_BYTES,
+    ) -> None:
         self.client = client
+        # [server] max_sse_event_bytes, max_sse_held_bytes: what one stream may make infertap hold.
+        self.max_event_bytes = max_event_bytes
+        self.max_held_bytes = max_held_bytes
         self.errors: tuple[type[BaseException], ...] = (UpstreamError, *client.errors)
         self.observers = observers
         # Upstreams that answered 400 to stream_options: infertap stops injecting it there.
@@ -140,6 +151,12 @@ class Attempter:
                 ex.status_code = status = resp.status
                 ex.first_byte_at = time.perf_counter()
                 obs.first_byte(ex)
+                if not 200 <= status <= 599:
+                    # A 101 (an upgrade nobody asked for) is handed over as the final answer; relayed,
+                    # it would switch the client's connection to a protocol it never asked for.
+                    raise UpstreamError(
+                        ErrorKind.UPSTREAM_5XX, None, f"answered HTTP {status}, no answer to a request"
+                    )
                 phase = Phase.FIRST_TOKEN if generation_stream and status == 200 else Phase.RESPONSE
                 if status in RETRYABLE_STATUS and not last:
                     kind = ErrorKind.UPSTREAM_429 if status == 429 else ErrorKind.UPSTREAM_5XX
@@ -187,9 +204,12 @@ class Attempter:
                         "for identity",
                     )
                 scanner = scanner_type(
-                    strip_usage_only=ex.usage_injected, capture_chars=ex.capture_output_chars
+                    strip_usage_only=ex.usage_injected,
+                    capture_chars=ex.capture_output_chars,
+                    max_event_bytes=self.max_event_bytes,
+                    max_held_bytes=self.max_held_bytes,
                 )
-                ready = await self._until_first_output(resp, chunks, scanner)
+                ready = await self._until_first_output(resp, chunks, scanner, call)
                 ex.first_output_read_at = ready.first_output_at
                 return ready
         except self.errors as e:  # before TimeoutError: a client's own timeouts may be TimeoutErrors too
@@ -207,14 +227,19 @@ class Attempter:
 
     @staticmethod
     async def _until_first_output(
-        resp: UpstreamResponse, chunks: AsyncIterator[bytes], scanner: SSEScanner
+        resp: UpstreamResponse, chunks: AsyncIterator[bytes], scanner: SSEScanner, call: Call
     ) -> Ready:
-        """Reads a generation stream until its first output event (or its end), holding the bytes."""
+        """Reads a generation stream until its first output event (or its end), holding the bytes
+        (but the upstream's comments, in an early stream: those go on at once)."""
         ready = Ready(resp, chunks, scanner)
         perf = time.perf_counter
         async for data in chunks:
             arrived = perf()  # a few reads before the first token: infertap's overhead starts here
             out, outputs = scanner.feed(data)
+            if out and not outputs and call.pass_comments is not None:
+                comments, out = split_comments(out)
+                if comments:
+                    await call.pass_comments(comments)
             if out:
                 ready.pending.append(out)
             if outputs or scanner.facts.done or scanner.facts.error_events:

@@ -1,11 +1,12 @@
 """`[server] stream_headers = "immediately"`: a generation stream's status and headers go out before
-its first attempt, and SSE comments keep the connection alive until its first output event.
+its first attempt, and SSE comments keep the connection alive until its first output event: the
+upstream's own, passed through as they arrive, and infertap's after a quiet interval.
 
 The trade (docs/resilience.md): a client whose own timeout is shorter than the time to first token,
 or a load balancer that cuts a silent connection, no longer fails; in exchange an error before the
 first token can no longer be an HTTP status, and ends the stream in-band (the route's error event)
 after a 200. Retries and fallbacks before the first output event stay invisible: the comments are
-not events, and no upstream byte is relayed before the commit.
+not events, and no other upstream byte is relayed before the commit.
 """
 
 from __future__ import annotations
@@ -32,12 +33,52 @@ _SSE_HEADERS: Final[RawHeaders] = [
 ]
 
 
+class _Waiting:
+    """An early stream before its first output event: infertap's keep-alive comments, and the
+    upstream's own comments passed through as they arrive (a load balancer sees the upstream's
+    traffic; infertap's own comment goes only after `interval` without any)."""
+
+    __slots__ = ("send", "interval", "last")
+
+    def __init__(self, send: Send, interval: float) -> None:
+        self.send = send
+        self.interval = interval
+        self.last = asyncio.get_running_loop().time()
+
+    async def pass_comments(self, comments: bytes) -> None:
+        """Whole comment events of the upstream's: no event a client acts on, so a retry after them
+        stays invisible."""
+        self.last = asyncio.get_running_loop().time()
+        try:
+            await self.send({"type": "http.response.body", "body": comments, "more_body": True})
+        except (OSError, RuntimeError):
+            return  # the client went away: the disconnect watcher ends the request
+
+    async def keep_alive(self) -> None:
+        loop = asyncio.get_running_loop()
+        message = {"type": "http.response.body", "body": KEEP_ALIVE, "more_body": True}
+        try:
+            while True:
+                wait = self.last + self.interval - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                    continue
+                self.last = loop.time()
+                await self.send(message)
+        except (OSError, RuntimeError):
+            # The client went away (the disconnect watcher ends the request) or the answer already
+            # ended: either way there is nothing left to keep alive.
+            return
+
+
 async def open_early(send: Send, call: Call, interval: float) -> None:
     """Sends 200 and the SSE headers now, and starts the keep-alive comments."""
     await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + call.rid})
     call.opened = True
     call.committed_sse = True  # whatever ends it from now on is an in-band event
-    call.keep_alive = asyncio.create_task(_keep_alive(send, interval))
+    waiting = _Waiting(send, interval)
+    call.pass_comments = waiting.pass_comments
+    call.keep_alive = asyncio.create_task(waiting.keep_alive())
 
 
 def quiet(call: Call) -> None:
@@ -46,6 +87,7 @@ def quiet(call: Call) -> None:
     A comment is one whole `send`, and uvicorn writes a message whole once its send runs, so
     cancelling the task (parked in its sleep, or waiting for the socket to drain before writing)
     can never leave half a comment before what follows."""
+    call.pass_comments = None
     task = call.keep_alive
     if task is not None:
         call.keep_alive = None
@@ -74,18 +116,6 @@ async def answer_error(
         return
     watcher.cancel()  # its answer complete, uvicorn reports a disconnect: not the client's
     await end_in_band(send, call, message, code)
-
-
-async def _keep_alive(send: Send, interval: float) -> None:
-    message = {"type": "http.response.body", "body": KEEP_ALIVE, "more_body": True}
-    try:
-        while True:
-            await asyncio.sleep(interval)
-            await send(message)
-    except (OSError, RuntimeError):
-        # The client went away (the disconnect watcher ends the request) or the answer already
-        # ended: either way there is nothing left to keep alive.
-        return
 
 
 def fits(ready: Ready, is_sse: bool) -> bool:

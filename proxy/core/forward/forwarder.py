@@ -50,6 +50,7 @@ from proxy.core.paths import PathRejected, passthrough_suffix
 from proxy.core.request_ids import RequestIds
 from proxy.core.route_table import OTHER, Route
 from proxy.core.seam import UpstreamClient
+from proxy.core.sse import MAX_EVENT_BYTES, MAX_HELD_BYTES
 from proxy.core.stream_facts import StreamFacts
 from proxy.settings import DEFAULT_PROMPT_CLASS_BOUNDS
 
@@ -70,10 +71,11 @@ class Forwarder:
         stream_headers: str = "first_token",
         keep_alive_seconds: float = 5.0,
         body_timeout: float | None = None,
+        stream_limits: tuple[int, int] = (MAX_EVENT_BYTES, MAX_HELD_BYTES),
     ) -> None:
         self.body_timeout = body_timeout
         self.routing = routing
-        self.attempter = Attempter(client, observers)
+        self.attempter = Attempter(client, observers, *stream_limits)
         self.observers = observers
         self.max_body_bytes = max_body_bytes
         self.prompt_class_bounds = prompt_class_bounds
