@@ -39,7 +39,7 @@ from proxy.observe.tracing import build_tracing
 from proxy.observe.ui import UIObserver, UIRoutes
 from proxy.observe.upstream_stats import UpstreamStats
 from proxy.settings import Settings
-from proxy.transport import AiohttpClient
+from proxy.transport import CLIENTS
 
 log = logging.getLogger("infertap.app")
 
@@ -128,10 +128,11 @@ def create_app(
     *,
     registry: CollectorRegistry | None = None,
     metrics: bool = True,
-    client: Callable[[], UpstreamClient] = AiohttpClient,
+    client: Callable[[], UpstreamClient] | None = None,
     reload: Callable[[], Settings] | None = None,
 ) -> InfertapApp:
-    """The proxy app. `reload` gives the settings that POST /admin/reload and SIGHUP apply (none:
+    """The proxy app. `client` makes the upstream client (none: `[server] upstream_client`'s).
+    `reload` gives the settings that POST /admin/reload and SIGHUP apply (none:
     nothing to reload). No observer depends on another's place in the chain: the spend observer
     prices a request in `finished`, which runs for all before the readers' `ended`; tracing sets
     the trace id (metrics' exemplar) in `request_received`, before anyone reads it."""
@@ -152,6 +153,7 @@ def create_app(
         chain.append(UIObserver(settings, collector.model_label if collector is not None else None))
     chain.extend(observers)
     stats = next(o for o in chain if isinstance(o, UpstreamStats))
-    runtime = Runtime(settings, ObserverSet(chain), stats, collector, client, reload)
+    make_client = client or CLIENTS[settings.server.upstream_client]
+    runtime = Runtime(settings, ObserverSet(chain), stats, collector, make_client, reload)
     ui = next((o for o in chain if isinstance(o, UIObserver)), None)
     return InfertapApp(runtime, ui)

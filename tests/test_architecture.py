@@ -55,6 +55,8 @@ VIOLATIONS = [
     ("core/sse.py", "import httpx", "core-pure"),
     ("core/sse.py", "import prometheus_client", "core-pure"),
     ("control/drain.py", "import aiohttp", "aiohttp-in-transport"),
+    ("control/drain.py", "import httptools", "httptools-in-transport-and-server"),
+    ("api/ops.py", "from httptools import HttpResponseParser", "httptools-in-transport-and-server"),
     ("observe/spend.py", "import prometheus_client", "prometheus-in-metrics"),
     ("observe/access_log.py", "import opentelemetry.trace", "otel-in-tracing"),
 ]

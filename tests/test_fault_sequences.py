@@ -7,7 +7,9 @@ front of two scripted upstreams and one that refuses connections, with retries, 
 circuit breaker and every timeout on, with short values. After each example every invariant of
 issue 13 is checked; a failure shrinks to a minimal sequence, which becomes a regression test.
 
-CI runs INFERTAP_FAULT_EXAMPLES (default 40) examples; a long run sets it to thousands.
+CI runs INFERTAP_FAULT_EXAMPLES (default 40) examples, shared between the upstream clients (each
+implementation of the seam runs half); a long run sets it to thousands (each client runs that
+many over two; `-k httptools` runs only one).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from proxy.core.exchange import Exchange
 from proxy.core.hooks import Observer
 from proxy.settings import Settings, UpstreamSettings
 from proxy.tools.fake_upstream import FakeUpstream
+from proxy.transport import CLIENTS
 from tests.conftest import TEST_HEADERS, RecordingObserver, serve_in_thread, wait_until
 from tests.promtext import samples, scrape, value
 
@@ -167,7 +170,7 @@ def world() -> Iterator[World]:
         os.environ.pop(KEY_ENV, None)
 
 
-def _settings(w: World, stream_headers: str = "first_token") -> Settings:
+def _settings(w: World, stream_headers: str = "first_token", client: str = "httptools") -> Settings:
     ups = [
         UpstreamSettings(
             name="a",
@@ -194,6 +197,7 @@ def _settings(w: World, stream_headers: str = "first_token") -> Settings:
                 "upstream_check_interval": 60,
                 "stream_headers": stream_headers,
                 "stream_keep_alive_seconds": 0.02,  # well below ttft and the trickle's gaps
+                "upstream_client": client,
             },
         }
     )
@@ -277,7 +281,9 @@ def _check_answer(o: Outcome, rec: RecordingObserver, w: World) -> None:
     assert body == expected, f"a 200 answer that is not the upstream's and carries no error: {o}"
 
 
-def _run_example(w: World, steps: list[Any], stream_headers: str = "first_token") -> None:
+def _run_example(
+    w: World, steps: list[Any], stream_headers: str = "first_token", client: str = "httptools"
+) -> None:
     w.a.reset()
     w.b.reset()
     rec, attempts = RecordingObserver(), Attempts()
@@ -287,7 +293,7 @@ def _run_example(w: World, steps: list[Any], stream_headers: str = "first_token"
     root.addHandler(handler)
     old_level = root.level
     root.setLevel(logging.INFO)
-    app: InfertapApp = create_app(_settings(w, stream_headers), [rec, attempts])
+    app: InfertapApp = create_app(_settings(w, stream_headers, client), [rec, attempts])
     outcomes: list[Outcome] = []
     try:
         with serve_in_thread(app) as proxy, concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -411,7 +417,7 @@ STEPS = st.lists(
 
 
 @settings(
-    max_examples=EXAMPLES,
+    max_examples=max(1, EXAMPLES // len(CLIENTS)),
     deadline=None,
     suppress_health_check=[
         HealthCheck.too_slow,
@@ -429,5 +435,8 @@ STEPS = st.lists(
     stream_headers="first_token",
 )
 @pytest.mark.timeout(0)
-def test_fault_sequences_keep_every_invariant(world: World, steps: list[Any], stream_headers: str) -> None:
-    _run_example(world, steps, stream_headers)
+@pytest.mark.parametrize("client", sorted(CLIENTS))
+def test_fault_sequences_keep_every_invariant(
+    world: World, client: str, steps: list[Any], stream_headers: str
+) -> None:
+    _run_example(world, steps, stream_headers, client)

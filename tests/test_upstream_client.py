@@ -1,4 +1,6 @@
-"""The core against a scripted transport, through the seam (proxy.transport.aiohttp_client).
+"""The core against a scripted transport, through the seam (proxy/core/seam.py); and what every
+implementation of the seam (proxy/transport/) must do behind it (tests/test_transport.py has the
+wire-level tests).
 
 A real client and a real infertap (uvicorn on 127.0.0.1:0); only the upstream side is a script:
 each send takes the next step, which fails the send or answers with chunks that may break.
@@ -12,13 +14,14 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import httpx
+import pytest
 
 from proxy.app import create_app
 from proxy.core.errors import ErrorKind, UpstreamError
 from proxy.core.seam import Pool, Timeouts, UpstreamClient, UpstreamResponse
 from proxy.settings import RetrySettings
 from proxy.tools.fake_upstream import FakeUpstream
-from proxy.transport import AiohttpClient
+from proxy.transport import AiohttpClient, H1Client
 from tests.conftest import RecordingObserver, make_settings, serve_in_thread
 from tests.promtext import scrape, value
 
@@ -150,7 +153,10 @@ def test_every_attempt_failing_ends_with_the_last_kind_and_its_status() -> None:
 
 
 # -- a pool per upstream (issue 23, item 13) ---------------------------------------------------------
-def test_long_streams_to_one_upstream_never_make_another_wait() -> None:
+@pytest.mark.parametrize("client", [AiohttpClient, H1Client], ids=["aiohttp", "httptools"])
+def test_long_streams_to_one_upstream_never_make_another_wait(
+    client: type[AiohttpClient] | type[H1Client],
+) -> None:
     """Regression: one pool with a fixed limit served every upstream, and aiohttp's connect timeout
     included the wait for a slot: streams to `a` filling the pool made a healthy `b` fail with
     connect_timeout, counted against b's circuit. Now each upstream has its own pool; waiting past
@@ -162,7 +168,7 @@ def test_long_streams_to_one_upstream_never_make_another_wait() -> None:
         settings.retry.max_attempts = 1
         settings.timeouts.connect, settings.timeouts.pool = 1, 0.3
         settings.circuit.min_calls = 1
-        app = create_app(settings, client=lambda: AiohttpClient(max_connections=2))
+        app = create_app(settings, client=lambda: client(max_connections=2))
         with serve_in_thread(app) as proxy, httpx.Client(timeout=30) as http, ExitStack() as held:
             body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
             reading: list[Iterator[bytes]] = []
@@ -185,7 +191,8 @@ def test_long_streams_to_one_upstream_never_make_another_wait() -> None:
             err = full.json()["error"]
             assert err["type"] == "pool_timeout" and err["message"].startswith("upstream 'a' (http://")
             assert "had all 2 of its connections busy for 0.3 s (pool timeout" in err["message"]
-            assert "aiohttp" not in err["message"] and "Error" not in err["message"]
+            assert "aiohttp" not in err["message"] and "httptools" not in err["message"]
+            assert "Error" not in err["message"]
             text = scrape(proxy)
             assert value(text, "infertap_requests_total", upstream="b", outcome="ok") == 1
             assert value(text, "infertap_timeouts_total", upstream="a", phase="pool") == 1

@@ -5,7 +5,7 @@ Keys never live here: an upstream names the environment variable that holds its 
 
 from __future__ import annotations
 
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from pydantic import (
     AliasChoices,
@@ -60,6 +60,10 @@ class ServerSettings(_Section):
     )
     max_connections: int = Field(
         default=8192, ge=1, description="open client connections per worker; one more is answered 503"
+    )
+    upstream_client: Literal["httptools", "aiohttp"] = Field(
+        default="httptools",
+        description="the upstream HTTP client: httptools (on llhttp) or aiohttp; needs a restart",
     )
     log_level: str = "info"
     drain_timeout: float = Field(

@@ -25,6 +25,7 @@ import aiohttp
 
 from proxy.core.errors import ErrorKind, UpstreamError
 from proxy.core.seam import Pool, Timeouts, UpstreamResponse
+from proxy.transport.slots import Slots
 
 log = logging.getLogger("infertap.transport")
 
@@ -157,7 +158,7 @@ class AiohttpClient:
 
     def __init__(self, max_connections: int = 1000) -> None:
         self.max_connections = max_connections
-        self._slots: dict[Pool, asyncio.Semaphore] = {}
+        self._slots = Slots(max_connections)
         connector = aiohttp.TCPConnector(
             limit=0,
             limit_per_host=0,
@@ -184,26 +185,6 @@ class AiohttpClient:
             )
         return native
 
-    async def _slot(self, pool: Pool, timeouts: Timeouts) -> asyncio.Semaphore:
-        slot = self._slots.get(pool)
-        if slot is None:
-            slot = self._slots[pool] = asyncio.Semaphore(pool.limit or self.max_connections)
-        if not slot.locked():
-            await slot.acquire()  # free: at once
-            return slot
-        try:
-            async with asyncio.timeout(timeouts.pool):
-                await slot.acquire()
-        except TimeoutError:
-            limit = pool.limit or self.max_connections
-            raise UpstreamError(
-                ErrorKind.POOL_TIMEOUT,
-                None,
-                f"had all {limit} of its connections busy for {timeouts.pool:g} s (pool timeout: raise "
-                "its max_connections, or [timeouts] pool)",
-            ) from None
-        return slot
-
     async def send(
         self,
         method: str,
@@ -213,7 +194,7 @@ class AiohttpClient:
         timeouts: Timeouts,
         pool: Pool | None = None,
     ) -> UpstreamResponse:
-        slot = await self._slot(pool, timeouts) if pool is not None else None
+        slot = await self._slots.acquire(pool, timeouts) if pool is not None else None
         try:
             r = await self.session.request(
                 method,

@@ -1,0 +1,162 @@
+"""One answer of the httptools client: status and headers as llhttp parsed them, and the body as
+it arrives, through a bounded buffer (when the consumer falls behind, the connection stops reading
+from the upstream's socket, and reads again once the consumer has taken everything)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Protocol
+
+from proxy.core.errors import UpstreamError
+
+# Bytes held for a consumer before the upstream's socket is no longer read: a few hundred events.
+HIGH_WATER = 256 * 1024
+
+
+class Source(Protocol):
+    """The connection an answer arrives on (h1_connection.H1Connection)."""
+
+    loop: asyncio.AbstractEventLoop
+    paused: bool
+
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def reuse(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Headers(Mapping[str, str]):
+    """Case-insensitive, first value first (as aiohttp's), built at first use from the raw pairs."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        d: dict[str, str] = {}
+        for name, value in raw:
+            d.setdefault(name.decode("latin-1").lower(), value.decode("utf-8", "surrogateescape"))
+        self._d = d
+
+    def __getitem__(self, key: str) -> str:
+        return self._d[key.lower()]
+
+    def get(self, key: str, default: str | None = None) -> str | None:  # type: ignore[override]
+        return self._d.get(key.lower(), default)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and key.lower() in self._d
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+class H1Response:
+    __slots__ = (
+        "status",
+        "raw_headers",
+        "sent_at",
+        "done",
+        "exc",
+        "_headers",
+        "_conn",
+        "_slot",
+        "_buf",
+        "_size",
+        "_waiter",
+        "_loop",
+    )
+
+    def __init__(self, conn: Source, slot: asyncio.Semaphore | None) -> None:
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.sent_at: float | None = None
+        self.done = False  # the body arrived whole
+        self.exc: UpstreamError | None = None  # what ended it otherwise
+        self._headers: Headers | None = None
+        self._conn: Source | None = conn
+        self._slot = slot
+        self._buf: deque[bytes] = deque()
+        self._size = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._loop = conn.loop
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        if self._headers is None:
+            self._headers = Headers(self.raw_headers)
+        return self._headers
+
+    # -- fed by the connection's protocol callbacks ----------------------------------------------
+    def feed(self, data: bytes) -> None:
+        self._buf.append(data)
+        self._size += len(data)
+        if self._size > HIGH_WATER and self._conn is not None:
+            self._conn.pause()
+        self._wake()
+
+    def finish(self) -> None:
+        self.done = True
+        self._wake()
+
+    def fail(self, exc: UpstreamError) -> None:
+        if not self.done and self.exc is None:
+            self.exc = exc
+            self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    # -- the seam's side -------------------------------------------------------------------------
+    async def chunks(self) -> AsyncIterator[bytes]:
+        buf = self._buf
+        while True:
+            if buf:
+                if len(buf) == 1:
+                    data = buf.popleft()
+                else:
+                    data = b"".join(buf)
+                    buf.clear()
+                self._size = 0
+                conn = self._conn
+                if conn is not None and conn.paused:
+                    conn.resume()  # drained: the upstream may send again
+                yield data
+            elif self.done:
+                return
+            elif self.exc is not None:
+                raise self.exc
+            else:
+                self._waiter = waiter = self._loop.create_future()
+                await waiter
+
+    async def read(self) -> bytes:
+        return b"".join([data async for data in self.chunks()])
+
+    def release(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            if self.done and not self._buf:
+                conn.reuse()
+            else:
+                conn.close()
+        self._free()
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+        self._free()
+
+    def _free(self) -> None:
+        # Once, whichever of release and close comes (both may).
+        if self._slot is not None:
+            self._slot.release()
+            self._slot = None
