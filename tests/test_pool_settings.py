@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from proxy.core.model_routing import ModelRouter
-from proxy.settings import ConfigError, Settings, load_settings
+from proxy.settings import ConfigError, Settings, UpstreamSettings, load_settings, public_config
 
 
 def load(tmp_path: Path, body: str) -> Settings:
@@ -65,3 +65,9 @@ def test_mistakes_are_named_with_what_to_do(tmp_path: Path, body: str, says: str
     with pytest.raises(ConfigError) as err:
         load(tmp_path, body)
     assert says in str(err.value)
+
+
+def test_replica_credentials_are_never_shown() -> None:
+    s = Settings(upstreams=[UpstreamSettings(name="p", replicas=["http://u:secret@h:1/v1?key=k"])])
+    shown = public_config(s)["upstreams"][0]
+    assert shown["replicas"] == ["http://h:1/v1"] and "secret" not in str(shown)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -14,7 +16,16 @@ import uvicorn
 from proxy.core.asgi import Receive, Scope, Send
 from proxy.settings import Settings, UpstreamSettings
 from proxy.tools.fake_upstream import FakeUpstream
-from tests.conftest import CHAT, TEST_HEADERS, free_port, run_proxy, serve_in_thread, wait_until
+from tests.conftest import (
+    CHAT,
+    TEST_HEADERS,
+    free_port,
+    make_settings,
+    run_proxy,
+    serve_in_thread,
+    wait_until,
+)
+from tests.promtext import samples, scrape
 
 STREAM = {**CHAT, "stream": True}
 CLOSED = "http://127.0.0.1:9/v1"  # nothing listens: connections are refused
@@ -203,11 +214,53 @@ def test_a_killed_replica_is_ejected_then_readmitted() -> None:
     dying.stop()
 
 
-def test_a_stream_flowing_from_a_replica_that_dies_ends_with_the_error_event() -> None:
+def test_a_stream_flowing_from_a_replica_that_dies_ends_with_the_error_event(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="infertap.access")
     with fakes(2) as ups, run_proxy(pool_settings([u for _, u in ups], "round_robin")) as proxy:
-        r = post(proxy, STREAM, **{"x-fake-cut": "2"})
+        r = post(proxy, STREAM, **{"x-fake-cut": "2", "x-request-id": "cut1"})
         status = httpx.get(f"{proxy}/status", timeout=10).json()
+        wait_until(lambda: any("cut1" in x.getMessage() for x in caplog.records), what="the access-log line")
     assert r.status_code == 200
-    assert '"stream_interrupted"' in r.text and "127.0.0.1" in r.text
+    assert '"stream_interrupted"' in r.text and ups[0][1].removeprefix("http://") in r.text
     assert sum(len(f.requests) for f, _ in ups) == 1  # committed: never retried
     assert all(row["in_flight"] == 0 for row in status["upstreams"][0]["replicas"])
+    (line,) = [x.getMessage() for x in caplog.records if "cut1" in x.getMessage()]
+    assert json.loads(line)["replica"] == ups[0][1]
+
+
+def test_the_pool_series() -> None:
+    with fakes(2) as ups:
+        settings = pool_settings([CLOSED, ups[0][1], ups[1][1]], "round_robin")
+        with run_proxy(settings) as proxy:
+            for _ in range(3):
+                assert post(proxy, STREAM).status_code == 200
+            text = scrape(proxy)
+    got = {(n, tuple(sorted(lab.items()))): v for n, lab, v in samples(text)}
+
+    def v(name: str, **labels: str) -> float:
+        return got.get((name, tuple(sorted({"upstream": "pool", **labels}.items()))), 0.0)
+
+    dead, live = CLOSED, [u for _, u in ups]
+    # The refused attempts counted on their replica, the answering ones on theirs; all back to 0.
+    refused = v("infertap_replica_requests_total", replica=dead, outcome="connect_error")
+    retries = v("infertap_balance_decisions_total", policy="round_robin", reason="retry")
+    assert refused >= 1 and retries == refused
+    assert sum(v("infertap_replica_requests_total", replica=a, outcome="ok") for a in live) == 3
+    assert all(v("infertap_replica_in_flight_requests", replica=a) == 0 for a in [dead, *live])
+    assert sum(v("infertap_replica_time_to_first_token_seconds_count", replica=a) for a in live) == 3
+    first = sum(
+        v("infertap_balance_decisions_total", policy="round_robin", reason=r)
+        for r in ("round_robin", "ejected")
+    )
+    assert first == 3
+    assert v("infertap_replica_up", replica=live[0]) == 1
+
+
+def test_a_single_upstream_has_no_pool_series(fake: tuple[FakeUpstream, str]) -> None:
+    _, url = fake
+    with run_proxy(make_settings(("one", url))) as proxy:
+        assert post(proxy, STREAM).status_code == 200
+        text = scrape(proxy)
+    assert not [n for n, _, _ in samples(text) if n.startswith(("infertap_replica_", "infertap_balance_"))]

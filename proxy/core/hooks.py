@@ -87,9 +87,11 @@ class Observer:
         """A pool chose `ex.replica` of `ex.upstream` for the next attempt (reason: balance.py's);
         it carries the attempt until the matching `replica_released`."""
 
-    def replica_released(self, ex: Exchange, upstream: str, replica: str) -> None:
+    def replica_released(self, ex: Exchange, upstream: str, replica: str, outcome: str | None) -> None:
         """The attempt (and, once committed, the stream) on `replica` is over: exactly once per
-        `balanced`."""
+        `balanced`. `outcome`: the failure's (an Outcome value) for an attempt that failed before
+        its commit; None for the one whose answer was relayed, or one cut short (the request's
+        outcome then says how it ended)."""
 
     def replica_health(self, upstream: str, replica: str, up: bool) -> None:
         """A pool replica was ejected or left the pool (up=False), or was readmitted or joined."""
@@ -190,9 +192,9 @@ class ObserverSet:
         for call in self._calls["balanced"]:
             call(ex, policy, reason)
 
-    def replica_released(self, ex: Exchange, upstream: str, replica: str) -> None:
+    def replica_released(self, ex: Exchange, upstream: str, replica: str, outcome: str | None) -> None:
         for call in self._calls["replica_released"]:
-            call(ex, upstream, replica)
+            call(ex, upstream, replica, outcome)
 
     def replica_health(self, upstream: str, replica: str, up: bool) -> None:
         for call in self._calls["replica_health"]:

@@ -293,13 +293,14 @@ class Forwarder:
                 finally:
                     breaker.release(permit)
                     if replica is not None and not isinstance(result, Ready):
-                        pooled.release(self.observers, ex, up, replica, committed=False)
+                        failed = None if result is None else outcome_of(result.kind).value
+                        pooled.release(self.observers, ex, up, replica, False, failed)
                 if isinstance(result, Ready):
                     try:
                         await self._commit(send, call, up, result, watcher)
                     finally:
                         if replica is not None:
-                            pooled.release(self.observers, ex, up, replica, committed=True)
+                            pooled.release(self.observers, ex, up, replica, True, None)
                     return
                 assert result is not None
                 failure = result

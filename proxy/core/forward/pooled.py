@@ -27,12 +27,14 @@ def take(
     observers.balanced(ex, pool.policy, reason)
 
 
-def release(observers: ObserverSet, ex: Exchange, up: Upstream, replica: Replica, committed: bool) -> None:
+def release(
+    observers: ObserverSet, ex: Exchange, up: Upstream, replica: Replica, committed: bool, outcome: str | None
+) -> None:
     if committed:
         replica.observe(ex.ttft_of_attempt, ex.tpot)
     pool = _pool(up)
     pool.end(replica)
-    observers.replica_released(ex, pool.upstream, replica.display_url)
+    observers.replica_released(ex, pool.upstream, replica.display_url, outcome)
 
 
 def judge(
