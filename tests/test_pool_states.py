@@ -114,6 +114,7 @@ class PoolMachine(RuleBasedStateMachine):
         pool = req.pool.current()
         members = list(pool.members)
         loads_before = {id(r): r.in_flight for r in members}
+        live = [r for r in members if r.admitted(self.now)]
         replica, reason = req.pool.choose(req.key, req.tried, panic, self.now)
         if replica is None:
             assert not any(r.admitted(self.now) for r in members) or (req.tried and not panic and not members)
@@ -127,7 +128,6 @@ class PoolMachine(RuleBasedStateMachine):
         if permit is None:
             return
         if pool.policy == "prefix_affinity" and not req.tried and not panic and req.key is not None:
-            live = [r for r in members if r.admitted(self.now)]
             total = sum(loads_before[id(r)] for r in live) + 1
             ceiling = math.ceil((1 + EPS) * total / len(live))
             assert replica.in_flight + 1 <= ceiling, (reason, replica.in_flight, ceiling)

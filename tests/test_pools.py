@@ -7,14 +7,16 @@ import logging
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import uvicorn
 
+from proxy.app import create_app
 from proxy.core.asgi import Receive, Scope, Send
-from proxy.settings import Settings, UpstreamSettings
+from proxy.settings import Settings, UpstreamSettings, load_settings
 from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import (
     CHAT,
@@ -264,3 +266,52 @@ def test_a_single_upstream_has_no_pool_series(fake: tuple[FakeUpstream, str]) ->
         assert post(proxy, STREAM).status_code == 200
         text = scrape(proxy)
     assert not [n for n, _, _ in samples(text) if n.startswith(("infertap_replica_", "infertap_balance_"))]
+
+
+def test_a_reload_changes_the_pool_and_a_stream_in_flight_finishes_on_its_replica(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("POOL_ADMIN", "adm")
+    path = tmp_path / "config.toml"
+
+    def write(replicas: list[str]) -> None:
+        path.write_text(
+            '[auth]\nadmin_token_env = "POOL_ADMIN"\n[[upstreams]]\nname = "pool"\nbalance = "round_robin"\n'
+            f'forward_headers = ["x-fake-*"]\nreplicas = {json.dumps(replicas)}\n'
+        )
+
+    with fakes(3) as ups:
+        (a, a_url), (b, b_url), (c, c_url) = ups
+        write([a_url, b_url])
+        app = create_app(load_settings(path), reload=lambda: load_settings(path))
+        with serve_in_thread(app) as proxy, httpx.Client(timeout=30) as client:
+            got: list[bytes] = []
+            first = threading.Event()
+
+            def slow() -> None:  # round robin: the first request goes to a
+                headers = {"x-fake-events": "20", "x-fake-gap-ms": "20"}
+                with client.stream("POST", f"{proxy}/v1/chat/completions", json=STREAM, headers=headers) as r:
+                    for chunk in r.iter_bytes():
+                        got.append(chunk)
+                        first.set()
+
+            t = threading.Thread(target=slow)
+            t.start()
+            wait_until(first.is_set, what="a stream from replica a")
+            write([b_url, c_url])  # a leaves the pool, c joins
+            r = httpx.post(f"{proxy}/admin/reload", headers={"authorization": "Bearer adm"}, timeout=10)
+            assert r.status_code == 200
+            states = {row["address"]: (row["state"], row["in_flight"]) for row in replica_rows(proxy)}
+            assert states[a_url] == ("draining", 1)
+            for _ in range(4):
+                assert post(proxy, CHAT).status_code == 200
+            t.join()
+            after = {row["address"]: row for row in replica_rows(proxy)}
+    assert b"data: [DONE]" in b"".join(got)  # the stream in flight finished on a
+    assert len(a.requests) == 1 and len(b.requests) + len(c.requests) == 4 and len(c.requests) >= 1
+    assert a_url not in after and all(row["in_flight"] == 0 for row in after.values())
+
+
+def replica_rows(proxy: str) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = httpx.get(f"{proxy}/status", timeout=10).json()["upstreams"][0]["replicas"]
+    return rows

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.control.discovery import Discovery, Resolver, system_resolver
 from proxy.control.drain import Drain
 from proxy.control.model_list import ModelLists, ModelUnion
 from proxy.control.reload import Access, Reloader
@@ -52,6 +53,7 @@ class Started:
     forwarder: Forwarder
     checker: UpstreamChecker
     drain: Drain
+    discovery: Discovery
 
 
 class Runtime:
@@ -82,6 +84,7 @@ class Runtime:
         self._poll_failed = False
         self._routing: ModelRouter | None = None
         self._started: Started | None = None
+        self.resolver: Resolver = system_resolver  # dns:// pools' (tests set their own)
 
     # -- start-up and shutdown (the app's lifespan) -----------------------------------------
     async def start(self) -> None:
@@ -104,7 +107,10 @@ class Runtime:
         checker = UpstreamChecker(routing, client, s.upstream_check_interval, s.upstream_check_timeout)
         drain = Drain(s.drain_delay, s.drain_timeout, forwarder.shut_down)
         self._routing = routing
-        self._started = Started(client, forwarder, checker, drain)
+        discovery = Discovery(lambda: self._routing, self.observers, self.resolver)
+        self._started = Started(client, forwarder, checker, drain, discovery)
+        await discovery.resolve_due()  # dns:// pools have their replicas before the first request
+        discovery.start()
         drain.install()
         checker.start()
         if self.metrics is not None:
@@ -132,6 +138,7 @@ class Runtime:
                 if self._peer_timer is not None:
                     self._peer_timer.cancel()
                 started.drain.close()
+                await started.discovery.stop()
                 await started.checker.stop()
                 if self.metrics is not None:
                     await self.metrics.stop_probes()
@@ -221,6 +228,10 @@ class Runtime:
         started.forwarder.routing = routing
         started.forwarder.panic = settings.circuit.when_all_open == "send"
         started.checker.routing = routing
+        try:
+            started.discovery.start()  # a reload may bring the first dns:// pool
+        except RuntimeError:  # no running loop (never expected: reloads apply in the loop)
+            log.warning("replica discovery could not start: a dns:// pool added now needs a restart")
         self.observers.configuration_changed(settings, fresh)
         self.reloaded_at = time.time()
         self._log_upstreams(routing)

@@ -28,6 +28,7 @@ class Replica(Protocol):
 
     def admitted(self, now: float) -> bool: ...
 
+
 VIRTUAL_NODES = 64  # points per replica on the ring: keys spread within a few percent
 
 

@@ -103,7 +103,7 @@ class ReplicaPool:
             members.append(r)
         left = [r for r in self.members if r not in members]
         keep = set(map(id, members))
-        self.draining = [r for r in self.draining if id(r) not in keep and r.in_flight > 0]
+        self.draining[:] = [r for r in self.draining if id(r) not in keep and r.in_flight > 0]
         for r in left:
             r.draining = True
             if r.in_flight > 0:
@@ -129,9 +129,11 @@ class ReplicaPool:
         kept = {r.url for r in self.members}
         current = old.current()
         current.set_members([r.url for r in current.members if r.url in kept])
-        # One that was draining there and is a member here again is no longer draining anywhere.
-        current.draining = [r for r in current.draining if r.draining]
         current.successor = self
+        # One list of draining replicas for the upstream across reloads: whichever pool a request
+        # began on, its end finds the replica there; one that is a member again is not draining.
+        current.draining[:] = [r for r in (*current.draining, *self.draining) if r.draining]
+        self.draining = current.draining
 
     def retire(self) -> None:
         """The upstream left the configuration: every replica drains; new attempts find none."""
@@ -166,12 +168,8 @@ class ReplicaPool:
     def end(self, replica: Replica) -> None:
         replica.in_flight -= 1
         replica.served += 1
-        if replica.draining and replica.in_flight <= 0:
-            pool: ReplicaPool | None = self
-            while pool is not None:
-                if replica in pool.draining:
-                    pool.draining.remove(replica)
-                pool = pool.successor
+        if (replica.in_flight <= 0 or not replica.draining) and replica in self.draining:
+            self.draining.remove(replica)  # drained (or a member again): forgotten here
 
     # -- what the status routes show ------------------------------------------------------------
     def describe(self, now: float) -> str:
