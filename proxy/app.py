@@ -154,4 +154,6 @@ def create_app(
     stats = next(o for o in chain if isinstance(o, UpstreamStats))
     runtime = Runtime(settings, ObserverSet(chain), stats, collector, client, reload)
     ui = next((o for o in chain if isinstance(o, UIObserver)), None)
+    if ui is not None:
+        ui.pool_rows = runtime.pool_rows
     return InfertapApp(runtime, ui)

@@ -13,7 +13,9 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from pydantic import TypeAdapter
 
+from proxy.api.operator import UpstreamState
 from proxy.app import create_app
 from proxy.core.asgi import Receive, Scope, Send
 from proxy.settings import Settings, UpstreamSettings, load_settings
@@ -315,3 +317,26 @@ def test_a_reload_changes_the_pool_and_a_stream_in_flight_finishes_on_its_replic
 def replica_rows(proxy: str) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = httpx.get(f"{proxy}/status", timeout=10).json()["upstreams"][0]["replicas"]
     return rows
+
+
+def test_the_operator_views_list_the_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POOL_ADMIN", "adm")
+    with fakes(2) as ups:
+        settings = pool_settings([CLOSED, *(u for _, u in ups)], "prefix_affinity")
+        settings.auth.admin_token_env = "POOL_ADMIN"
+        settings.circuit.min_calls = 1
+        with run_proxy(settings) as proxy:
+            for i in range(4):
+                body = {**CHAT, "messages": [{"role": "user", "content": f"conversation {i}"}]}
+                assert post(proxy, {**body, "stream": True}).status_code == 200
+            admin = httpx.get(f"{proxy}/admin/upstreams", headers={"authorization": "Bearer adm"}, timeout=10)
+            ui = httpx.get(f"{proxy}/ui/data", timeout=10).json()
+    (pool,) = TypeAdapter(list[UpstreamState]).validate_python(admin.json())
+    assert pool.balance == "prefix_affinity" and pool.replicas is not None
+    rows = {r.address: r for r in pool.replicas}
+    assert set(rows) == {CLOSED, *(u for _, u in ups)} and all(r.in_flight == 0 for r in rows.values())
+    assert {r.state for a, r in rows.items() if a != CLOSED} == {"up"}
+    served = [rows[u] for _, u in ups if rows[u].ttft_seconds is not None]
+    assert served  # the replicas that answered have a recent TTFT
+    (shown,) = ui["upstreams"]
+    assert shown["balance"] == "prefix_affinity" and {r["address"] for r in shown["replicas"]} == set(rows)

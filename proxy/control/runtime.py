@@ -192,6 +192,13 @@ class Runtime:
         status["open"] = self.access.client_keys is None
         return status
 
+    def pool_rows(self) -> dict[str, list[dict[str, Any]]]:
+        """Each pool's replicas now, by upstream (for /ui)."""
+        routing, now = self._routing, time.monotonic()
+        if routing is None:
+            return {}
+        return {up.name: up.replicas.rows(now) for up in routing.upstreams if up.replicas is not None}
+
     async def model_union(self) -> ModelUnion:
         """GET /v1/models's answer: the upstreams' lists, fetched at most models_cache_seconds ago."""
         return await self.model_lists.get(self.routing, self.client)
