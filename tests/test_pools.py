@@ -309,6 +309,8 @@ def test_a_reload_changes_the_pool_and_a_stream_in_flight_finishes_on_its_replic
                 assert post(proxy, CHAT).status_code == 200
             t.join()
             after = {row["address"]: row for row in replica_rows(proxy)}
+            up = {lab["replica"]: v for n, lab, v in samples(scrape(proxy)) if n == "infertap_replica_up"}
+    assert up == {a_url: 0, b_url: 1, c_url: 1}
     assert b"data: [DONE]" in b"".join(got)  # the stream in flight finished on a
     assert len(a.requests) == 1 and len(b.requests) + len(c.requests) == 4 and len(c.requests) >= 1
     assert a_url not in after and all(row["in_flight"] == 0 for row in after.values())

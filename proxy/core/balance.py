@@ -68,6 +68,13 @@ class LeastRequest(Balancer):
     def choose(
         self, members: Sequence[Replica], key: int | None, tried: tuple[Replica, ...], panic: bool, now: float
     ) -> tuple[Replica | None, str]:
+        n = len(members)
+        if not tried and n >= 2:
+            # The common case in O(1): two distinct members at random, both admitted.
+            i, j = random.randrange(n), random.randrange(n - 1)
+            a, b = members[i], members[j + (j >= i)]
+            if not a.draining and not b.draining and (panic or (a.admitted(now) and b.admitted(now))):
+                return (a if a.in_flight <= b.in_flight else b), self.name
         cands = _candidates(members, tried, panic, now)
         reason = "retry" if tried else self.name
         if len(cands) <= 1:
@@ -115,11 +122,14 @@ class PrefixAffinity(Balancer):
 
     def ceiling(self, members: Sequence[Replica], panic: bool, now: float) -> int:
         """The most requests one replica may carry once this one is placed: ceil((1+eps) x mean)."""
-        live = [r for r in members if not r.draining and (panic or r.admitted(now))]
+        live = total = 0
+        for r in members:
+            if not r.draining and (panic or r.admitted(now)):
+                live += 1
+                total += r.in_flight
         if not live:
             return 0
-        total = sum(r.in_flight for r in live) + 1
-        return math.ceil((1 + self.load_factor) * total / len(live))
+        return math.ceil((1 + self.load_factor) * (total + 1) / live)
 
     def choose(
         self, members: Sequence[Replica], key: int | None, tried: tuple[Replica, ...], panic: bool, now: float

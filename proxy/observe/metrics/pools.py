@@ -69,17 +69,26 @@ class PoolMetrics:
             registry=r,
         )
         self.labels: dict[str, BoundedLabels] = {}
+        self.listed: dict[str, set[str]] = {}  # each pool's configured replicas (a static list)
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
 
     def follow(self, settings: Settings) -> None:
-        """The pools configured now: their decision series and their listed replicas, known up front."""
+        """The pools configured now: their decision series and their listed replicas, known up front;
+        a listed replica that a reload removed is 0 (it drains, then is gone)."""
+        listed: dict[str, set[str]] = {}
         for up in settings.upstreams:
             if not up.replicas:
                 continue
             for reason in REASONS:
                 self._c(self.decisions, up.name, up.balance, reason)
-            for url in up.urls():
-                self.replica_health(up.name, display_url(url), True)
+            listed[up.name] = {display_url(url) for url in up.urls()}
+        for name, before in self.listed.items():
+            for replica in before - listed.get(name, set()):
+                self.replica_health(name, replica, False)
+        for name, now in listed.items():
+            for replica in now - self.listed.get(name, set()):
+                self.replica_health(name, replica, True)
+        self.listed = listed
 
     def _c(self, metric: Any, *labels: str) -> Any:
         key = (metric, labels)
