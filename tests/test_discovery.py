@@ -118,5 +118,8 @@ def test_a_dns_pool_end_to_end(fake: tuple[FakeUpstream, str]) -> None:
         # localhost may resolve to ::1 too, where nothing listens: a refused attempt goes to 127.0.0.1.
         r = httpx.post(f"{proxy}/v1/chat/completions", json=CHAT, timeout=30)
         rows = httpx.get(f"{proxy}/status", timeout=10).json()["upstreams"][0]["replicas"]
-    assert r.status_code == 200 and len(upstream.requests) == 1
+        models = httpx.get(f"{proxy}/v1/models", timeout=10)  # asks a replica of the pool
+    assert models.status_code == 200 and models.json()["data"], models.text
+    assert r.status_code == 200
+    assert [q.path for q in upstream.requests] == ["/v1/chat/completions", "/v1/models"]
     assert f"http://127.0.0.1:{port}/v1" in [row["address"] for row in rows]

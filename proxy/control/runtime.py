@@ -180,7 +180,7 @@ class Runtime:
             return False, "draining: shutting down"
         if self.settings.server.ready_needs_upstream:
             now = time.monotonic()
-            if all(up.breaker.is_open and not up.breaker.available(now) for up in routing.upstreams):
+            if not any(up.available(now) for up in routing.upstreams):
                 return False, "every upstream's circuit is open"
         return True, "ready"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import random
+import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -116,8 +117,15 @@ class Upstream:
         return self.breaker.retry_in(now) if self.replicas is None else self.replicas.retry_in(now)
 
     def url(self, suffix: str) -> str:
-        """`suffix` is the path after /v1, e.g. `/chat/completions`."""
-        return self.base_url + suffix
+        """`suffix` is the path after /v1, e.g. `/chat/completions`. For a pool (the background
+        check, the model list), one replica: the first admitted one, else the first."""
+        if self.replicas is None:
+            return self.base_url + suffix
+        members = self.replicas.current().members
+        if not members:
+            raise LookupError(f"upstream '{self.name}': {self.replicas.describe(0.0)}")
+        now = time.monotonic()
+        return next((r for r in members if r.admitted(now)), members[0]).url + suffix
 
     def matches(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)

@@ -316,7 +316,9 @@ class Forwarder:
                 now = time.monotonic()
                 if attempt < policy.max_attempts and (panic or up.available(now)):
                     wait = policy.backoff(attempt) if failure.wait is None else failure.wait
-                    if pool is not None and any(r.admitted(now) and r not in tried for r in pool.members):
+                    if pool is not None and any(
+                        r.admitted(now) and r not in tried for r in pool.current().members
+                    ):
                         wait = 0.0  # another replica goes next: this one's trouble is not its
                     retry = (failure.kind.value, min(wait, policy.max_backoff_seconds))
                     if retry[1] > 0:
