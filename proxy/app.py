@@ -156,4 +156,6 @@ def create_app(
     make_client = client or CLIENTS[settings.server.upstream_client]
     runtime = Runtime(settings, ObserverSet(chain), stats, collector, make_client, reload)
     ui = next((o for o in chain if isinstance(o, UIObserver)), None)
+    if ui is not None:
+        ui.pool_rows = runtime.pool_rows
     return InfertapApp(runtime, ui)

@@ -57,6 +57,15 @@ class LastFailure(BaseModel):
     at: float = Field(description="unix seconds")
 
 
+class ReplicaState(BaseModel):
+    address: str = Field(description="the replica's base URL, without user info or query")
+    state: str = Field(description="up, ejected (its circuit open) or draining (it left the pool)")
+    in_flight: int
+    ttft_seconds: float | None = Field(description="recent time to first token there (a moving average)")
+    tpot_seconds: float | None
+    why: str | None = Field(description="why it is ejected, and when it is probed again")
+
+
 class UpstreamState(BaseModel):
     name: str
     base_url: str = Field(description="without user info or query")
@@ -74,6 +83,8 @@ class UpstreamState(BaseModel):
     ttft_p50_seconds: float | None = Field(description="over its most recent requests")
     tpot_p50_seconds: float | None = Field(description="over its most recent successful requests")
     config_warnings: list[str]
+    balance: str | None = Field(default=None, description="a pool's policy; none for a single base_url")
+    replicas: list[ReplicaState] | None = Field(default=None, description="a pool's replicas")
 
 
 class EffectiveConfig(BaseModel):
@@ -127,6 +138,8 @@ async def upstreams(runtime: RuntimeDep) -> list[UpstreamState]:
                 ttft_p50_seconds=p50(t.ttft),
                 tpot_p50_seconds=p50(t.tpot),
                 config_warnings=list(up.config_warnings),
+                balance=s.get("balance"),
+                replicas=[ReplicaState.model_validate(r) for r in s["replicas"]] if "replicas" in s else None,
             )
         )
     return rows

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.control.discovery import Discovery, Resolver, system_resolver
 from proxy.control.drain import Drain
 from proxy.control.model_list import ModelLists, ModelUnion
 from proxy.control.reload import Access, Reloader
@@ -52,6 +53,7 @@ class Started:
     forwarder: Forwarder
     checker: UpstreamChecker
     drain: Drain
+    discovery: Discovery
 
 
 class Runtime:
@@ -82,6 +84,7 @@ class Runtime:
         self._poll_failed = False
         self._routing: ModelRouter | None = None
         self._started: Started | None = None
+        self.resolver: Resolver = system_resolver  # dns:// pools' (tests set their own)
 
     # -- start-up and shutdown (the app's lifespan) -----------------------------------------
     async def start(self) -> None:
@@ -105,7 +108,10 @@ class Runtime:
         checker = UpstreamChecker(routing, client, s.upstream_check_interval, s.upstream_check_timeout)
         drain = Drain(s.drain_delay, s.drain_timeout, forwarder.shut_down)
         self._routing = routing
-        self._started = Started(client, forwarder, checker, drain)
+        discovery = Discovery(lambda: self._routing, self.observers, self.resolver)
+        self._started = Started(client, forwarder, checker, drain, discovery)
+        await discovery.resolve_due()  # dns:// pools have their replicas before the first request
+        discovery.start()
         drain.install()
         checker.start()
         if self.metrics is not None:
@@ -133,6 +139,7 @@ class Runtime:
                 if self._peer_timer is not None:
                     self._peer_timer.cancel()
                 started.drain.close()
+                await started.discovery.stop()
                 await started.checker.stop()
                 if self.metrics is not None:
                     await self.metrics.stop_probes()
@@ -174,7 +181,7 @@ class Runtime:
             return False, "draining: shutting down"
         if self.settings.server.ready_needs_upstream:
             now = time.monotonic()
-            if all(up.breaker.is_open and not up.breaker.available(now) for up in routing.upstreams):
+            if not any(up.available(now) for up in routing.upstreams):
                 return False, "every upstream's circuit is open"
         return True, "ready"
 
@@ -185,6 +192,13 @@ class Runtime:
         # Whether anyone who reaches the port may use the upstreams' keys: worth seeing at a glance.
         status["open"] = self.access.client_keys is None
         return status
+
+    def pool_rows(self) -> dict[str, list[dict[str, Any]]]:
+        """Each pool's replicas now, by upstream (for /ui)."""
+        routing, now = self._routing, time.monotonic()
+        if routing is None:
+            return {}
+        return {up.name: up.replicas.rows(now) for up in routing.upstreams if up.replicas is not None}
 
     async def model_union(self) -> ModelUnion:
         """GET /v1/models's answer: the upstreams' lists, fetched at most models_cache_seconds ago."""
@@ -222,6 +236,10 @@ class Runtime:
         started.forwarder.routing = routing
         started.forwarder.panic = settings.circuit.when_all_open == "send"
         started.checker.routing = routing
+        try:
+            started.discovery.start()  # a reload may bring the first dns:// pool
+        except RuntimeError:  # no running loop (never expected: reloads apply in the loop)
+            log.warning("replica discovery could not start: a dns:// pool added now needs a restart")
         self.observers.configuration_changed(settings, fresh)
         self.reloaded_at = time.time()
         self._log_upstreams(routing)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy import __version__
-from proxy.core.errors import UpstreamError
+from proxy.core.errors import ErrorKind, UpstreamError
 from proxy.core.model_routing import ModelRouter, Upstream
 from proxy.core.seam import UpstreamClient
 
@@ -51,7 +51,11 @@ async def probe_models(
     if up.api_key:
         headers["authorization"] = f"Bearer {up.api_key}"
     try:
-        return Probe(*await client.fetch(up.url("/models"), headers, timeout))
+        url = up.url("/models")
+    except LookupError as e:  # a dns:// pool that has no replica yet
+        return UpstreamError(ErrorKind.CONNECT_ERROR, None, str(e))
+    try:
+        return Probe(*await client.fetch(url, headers, timeout))
     except UpstreamError as e:
         return e
 
@@ -140,4 +144,8 @@ class UpstreamChecker:
                     "config_warnings": list(getattr(up, "config_warnings", ())),
                 }
             )
+            pool = getattr(up, "replicas", None)
+            if pool is not None:
+                rows[-1]["balance"] = pool.policy
+                rows[-1]["replicas"] = pool.rows(now)
         return {"ready": ready, "draining": draining, "upstreams": rows}

@@ -53,6 +53,9 @@ class UIObserver(Observer):
     ) -> None:
         ui = settings.ui
         self.settings = settings
+        # Each pool's replicas now (address, state, in flight, recent TTFT), by upstream: the
+        # composition root hands in the running proxy's (proxy/app.py).
+        self.pool_rows: Callable[[], dict[str, list[dict[str, Any]]]] = dict
         # The metrics' own label mapping when there are metrics: the same allow-list and cap,
         # so a chart's model is a `model` label value of /metrics.
         self.model_label = model_label or ModelLabels(settings.metrics.models, settings.metrics.max_models)
@@ -305,12 +308,15 @@ class UIObserver(Observer):
         # The router's default: the one flagged, else the first (as the start-up log says).
         ups = self.settings.upstreams
         default = next((u.name for u in ups if u.default), ups[0].name if ups else None)
+        pools = self.pool_rows()
         for up in self.settings.upstreams:
             is_up, since = self.health.get(up.name, (True, None))
             rows.append(
                 {
                     "name": up.name,
-                    "base_url": display_url(up.base_url),
+                    "base_url": display_url(up.base_url)
+                    if up.base_url
+                    else ", ".join(map(display_url, up.replicas)),
                     "state": "up" if is_up else "circuit_open",
                     "since": since,
                     "default": up.name == default,
@@ -322,4 +328,7 @@ class UIObserver(Observer):
                     "requests": dict(self.outcomes.get(up.name, {})),
                 }
             )
+            if up.name in pools:
+                rows[-1]["balance"] = up.balance
+                rows[-1]["replicas"] = pools[up.name]
         return rows

@@ -305,7 +305,7 @@
   function renderUpstreams() {
     const body = $("upstreams").tBodies[0];
     body.replaceChildren(
-      ...data.upstreams.map((u) => {
+      ...data.upstreams.flatMap((u) => {
         const tr = el("tr", { "data-upstream": u.name, "data-state": u.state });
         const ok = u.requests.ok || 0;
         const all = Object.values(u.requests).reduce((a, b) => a + b, 0);
@@ -325,9 +325,28 @@
           el("td", {}, key),
           el("td", {}, u.models.length ? u.models.join(", ") : "any")
         );
-        return tr;
+        return [tr, ...(u.replicas || []).map((r) => replicaRow(u, r))];
       })
     );
+  }
+
+  // A pool's replica, under its upstream: admitted, ejected (its circuit open) or draining.
+  function replicaRow(u, r) {
+    const tr = el("tr", { class: "replica", "data-replica": r.address, "data-state": r.state });
+    const badge = r.state === "up" ? "o-ok" : r.state === "draining" ? "o-gone" : "o-error";
+    const state = el("td");
+    state.append(el("span", { class: `badge ${badge}` }, r.state));
+    if (r.why) state.title = r.why;
+    tr.append(
+      el("td", {}, `  ${u.balance || ""} replica`),
+      el("td", { class: "url" }, r.address),
+      state,
+      el("td", { class: "num" }, String(r.in_flight)),
+      el("td", { class: "num" }, `TTFT ${secs(r.ttft_seconds)}`),
+      el("td", {}, ""),
+      el("td", {}, "")
+    );
+    return tr;
   }
 
   function renderConfig() {
