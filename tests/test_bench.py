@@ -22,6 +22,7 @@ from proxy.tools.bench.nginx import find_nginx
 from proxy.tools.bench.report import median_row
 from proxy.tools.bench.scenarios import scenarios
 from proxy.tools.bench.targets import targets
+from proxy.tools.bench.vllm_router import find_vllm_router
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -160,5 +161,13 @@ def test_quick_bench_reports_every_scenario(tmp_path: Path) -> None:
     assert nginx == (find_nginx() is not None), "the nginx row runs exactly where nginx is installed"
     if not nginx:
         assert "no nginx row" in proc.stdout
+    routed = {r["target"] for sc in report["scenarios"].values() for r in sc["rows"]}
+    assert ("vllm-router" in routed) == (find_vllm_router() is not None), (
+        "the vllm-router row runs exactly where vllm-router is installed (scripts/install_bench_tools.sh)"
+    )
+    if "vllm-router" in routed:
+        assert {r["target"] for r in report["scenarios"]["throughput"]["rows"]} >= {"nginx", "vllm-router"}
+    else:
+        assert "no vllm-router row" in proc.stdout
     assert "== throughput" in proc.stdout
     assert "PASS" in proc.stdout or "MISS" in proc.stdout
