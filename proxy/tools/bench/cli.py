@@ -27,6 +27,7 @@ from typing import Any
 
 from proxy import __version__
 from proxy.server.os_limits import raise_nofile
+from proxy.tools.bench.fleet import fleet_targets, run_fleet
 from proxy.tools.bench.nginx import INSTALL_HINT, find_nginx
 from proxy.tools.bench.processes import BenchError, affinity, open_files_limit
 from proxy.tools.bench.report import NGINX, VLLM_ROUTER
@@ -67,8 +68,12 @@ def _machine(bench: Bench, nofile: tuple[int, int]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    names = [s.name for s in scenarios(False)]
+    names = [s.name for s in scenarios(False)] + ["fleet"]
     listing = "\n".join(f"  {s.name:<11} {s.title}" for s in scenarios(False))
+    listing += (
+        "\n  fleet       N simulated engines behind each balancing policy (multi-turn chat, one slow "
+        "replica):\n              run only when named (--scenario fleet)"
+    )
     p = argparse.ArgumentParser(
         prog="infertap bench",
         description=__doc__,
@@ -99,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-vllm-router", action="store_true",
         help="skip the vllm-router reference rows even where vllm-router is installed",
     )  # fmt: skip
+    p.add_argument(
+        "--replicas", type=int, default=4, metavar="N", help="--scenario fleet: simulated engines (default 4)"
+    )
     p.add_argument("--json", metavar="FILE", help="write every number to FILE")
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     return p
@@ -146,6 +154,7 @@ def main(argv: list[str]) -> int:
     # 1,000 held streams are ~2,000 sockets in the load generator and the upstream too; they
     # inherit this raised limit (and raise their own). infertap starts with the limit as it was.
     now = raise_nofile()
+    want_fleet = bool(args.scenario) and "fleet" in args.scenario
     bench = Bench(args.quick, nofile=before, nginx=nginx, vllm_router=router)
     if nginx is None:
         bench.notes.append(f"no nginx row ({why})")
@@ -153,8 +162,13 @@ def main(argv: list[str]) -> int:
         bench.notes.append(f"no vllm-router row ({router_why})")
     started = time.perf_counter()
     try:
-        bench.start({t for s in chosen for t in s.targets})
-        results = {s.name: bench.scenario(s) for s in chosen}
+        results: dict[str, Any] = {}
+        if chosen:
+            bench.start({t for s in chosen for t in s.targets})
+            results = {s.name: bench.scenario(s) for s in chosen}
+        if want_fleet:
+            rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
+            results["fleet"] = run_fleet(args.replicas, args.quick, rounds, router, log)
         machine = _machine(bench, (before, now))
     except BenchError as e:
         print(f"infertap bench: {e}", file=sys.stderr)
@@ -165,7 +179,7 @@ def main(argv: list[str]) -> int:
         bench.close()
     checks = [
         t.judge({(r["phase"], r["target"]): r for r in results[t.scenario]["rows"]})
-        for t in targets()
+        for t in targets() + fleet_targets()
         if t.scenario in results
     ]
     report = {

@@ -1,0 +1,129 @@
+"""The fleet scenario's workloads: multi-turn conversations whose history grows every turn, sent
+to whatever `route` names for each turn (a simulated engine straight, or a router in front of them).
+
+A conversation is a system prompt of its own (an agent's instructions: ~1,200 tokens of the sim's
+tokenizer, one word a token) and turns of a user message; every turn sends the whole history,
+the answers the engine streamed included, as a chat client does. So turn k's prompt starts with
+turn k-1's, and an engine that saw turn k-1 has its blocks in its prefix cache, if they were not
+evicted meanwhile. `salt` makes every prompt of a run distinct from every other run's, so that no
+row inherits the cache of the row before it.
+
+Conversations arrive interleaved: each starts `stagger_s` after the one before it (or later, when
+`concurrency` are already under way), and its turns follow one another as the answers arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+# Short words: the sim's tokenizer makes one token of each (proxy/sim/sampling.py).
+_WORDS = (
+    "agent tool call plan step check list table user data file read write query model token cache "
+    "reply state task goal rule note field value index page node edge graph score rank limit order "
+    "case test build run stage batch queue time date unit range sum mean count path route shard"
+).split()
+
+Route = Callable[[int, int], str]  # (conversation, turn) -> the base URL (".../v1") to send it to
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    conversations: int
+    turns: int
+    concurrency: int
+    system_tokens: int
+    user_tokens: int = 40
+    output_tokens: int = 24
+    stagger_s: float = 0.05
+
+
+@dataclass
+class Outcome:
+    requests: int = 0
+    ok: int = 0
+    ttft: list[float] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+async def _turn(
+    client: httpx.AsyncClient, base: str, messages: list[dict[str, str]], w: Workload, out: Outcome
+) -> str | None:
+    """One streamed chat completion: its TTFT into `out`, the answer's text returned (None: failed)."""
+    body = {"model": "fleet", "messages": messages, "stream": True, "max_tokens": w.output_tokens}
+    out.requests += 1
+    started = time.perf_counter()
+    first: float | None = None
+    parts: list[str] = []
+    try:
+        async with client.stream("POST", f"{base}/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                out.errors[f"HTTP {resp.status_code}"] += 1
+                return None
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out.errors["in-band error"] += 1
+                    return None
+                for choice in event.get("choices") or ():
+                    piece = (choice.get("delta") or {}).get("content")
+                    if piece:
+                        if first is None:
+                            first = time.perf_counter()
+                        parts.append(piece)
+    except (httpx.HTTPError, ValueError) as e:
+        out.errors[type(e).__name__] += 1
+        return None
+    if first is None:
+        out.errors["no token"] += 1
+        return None
+    out.ok += 1
+    out.ttft.append(first - started)
+    return "".join(parts)
+
+
+async def _conversation(
+    client: httpx.AsyncClient, route: Route, conv: int, w: Workload, salt: int, out: Outcome
+) -> None:
+    rng = random.Random(f"{salt}/{conv}")
+    messages = [{"role": "system", "content": f"run {salt} agent {conv}: " + _text(rng, w.system_tokens)}]
+    for turn in range(w.turns):
+        messages.append({"role": "user", "content": _text(rng, w.user_tokens)})
+        answer = await _turn(client, route(conv, turn), messages, w, out)
+        if answer is None:
+            return  # a client gives up on a conversation that failed
+        messages.append({"role": "assistant", "content": answer})
+
+
+async def _run(route: Route, w: Workload, salt: int) -> Outcome:
+    out = Outcome()
+    gate = asyncio.Semaphore(w.concurrency)
+    limits = httpx.Limits(max_connections=w.concurrency * 2, max_keepalive_connections=w.concurrency * 2)
+    async with httpx.AsyncClient(timeout=120.0, limits=limits) as client:
+
+        async def one(conv: int) -> None:
+            await asyncio.sleep(conv * w.stagger_s)
+            async with gate:
+                await _conversation(client, route, conv, w, salt, out)
+
+        await asyncio.gather(*(one(c) for c in range(w.conversations)))
+    return out
+
+
+def run_workload(route: Route, w: Workload, salt: int) -> Outcome:
+    return asyncio.run(_run(route, w, salt))
