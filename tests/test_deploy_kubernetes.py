@@ -143,7 +143,7 @@ def test_prometheusrule_is_the_same_rules_and_valid(
 ) -> None:
     (rule,) = by_kind(rendered[1], "PrometheusRule")
     groups = []
-    for f in ("infertap-recording.yml", "infertap-alerts.yml", "infertap-spend.yml"):
+    for f in ("infertap-recording.yml", "infertap-alerts.yml", "infertap-spend.yml", "infertap-fleet.yml"):
         groups += yaml.safe_load((ROOT / "deploy/prometheus/rules" / f).read_text())["groups"]
     assert rule["spec"]["groups"] == groups
     out = tmp_path / "rules.yml"
