@@ -127,3 +127,36 @@ async def _run(route: Route, w: Workload, salt: int) -> Outcome:
 
 def run_workload(route: Route, w: Workload, salt: int) -> Outcome:
     return asyncio.run(_run(route, w, salt))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Multi-turn chat against one base URL, round after round: the traffic of docker-compose's
+    `fleet` profile, so that the Fleet dashboard has something to show."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m proxy.tools.bench.fleet_load", description=main.__doc__)
+    p.add_argument("--url", required=True, help="base URL, e.g. http://infertap-fleet:8080/v1")
+    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--system-tokens", type=int, default=1200)
+    p.add_argument("--rounds", type=int, default=0, help="0: until stopped")
+    p.add_argument("--pause", type=float, default=5.0, help="seconds between rounds")
+    args = p.parse_args(argv)
+    w = Workload("chat", args.conversations, args.turns, args.concurrency, args.system_tokens)
+    r = 0
+    while not args.rounds or r < args.rounds:
+        out = run_workload(lambda _c, _t: args.url, w, salt=int(time.time()) * 1000 + r)
+        print(
+            f"round {r + 1}: {out.ok}/{out.requests} ok, errors {dict(out.errors)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        r += 1
+        time.sleep(args.pause)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
