@@ -101,7 +101,7 @@ def _make_hook(hook: str) -> Callable[..., None]:
 
 
 for _hook in HOOKS:
-    if _hook != "answered":  # not a forwarded request's: it has no Exchange
+    if _hook not in ("answered", "replica_health"):  # not a forwarded request's: no Exchange
         setattr(RecordingObserver, _hook, _make_hook(_hook))
 
 

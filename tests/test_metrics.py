@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from proxy.core.exchange import Exchange
 from proxy.core.hooks import Observer
 from proxy.observe.metrics.buckets import ITL_BUCKETS
+from proxy.settings import UpstreamSettings
 from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import CHAT, RecordingObserver, make_settings, run_proxy, serve_process, wait_until
 from tests.promtext import samples, scrape, value
@@ -241,8 +242,12 @@ def test_access_log_line_matches_the_histograms(
 def test_every_documented_metric_name_is_exposed(fake: tuple[FakeUpstream, str]) -> None:
     _, url = fake
     names_file = os.path.join(os.path.dirname(__file__), "..", "deploy", "metric_names.txt")
-    with run_proxy(make_settings(("fake", url))) as proxy, httpx.Client() as c:
+    settings = make_settings(("fake", url))
+    # A pool too: its replica series exist only where an upstream has `replicas`.
+    settings.upstreams.append(UpstreamSettings(name="pool", replicas=[url], models=["pool-*"]))
+    with run_proxy(settings) as proxy, httpx.Client() as c:
         c.post(f"{proxy}/v1/chat/completions", json={**CHAT, "stream": True})
+        c.post(f"{proxy}/v1/chat/completions", json={**CHAT, "model": "pool-m", "stream": True})
         text = scrape(proxy)
     exposed = {n for n, _, _ in samples(text)} | {
         line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")

@@ -91,8 +91,16 @@ def carry_state(
             up.breaker = prev.breaker
         if not same:
             no_stream_options.discard(up.name)
+        if prev is not None and prev.replicas is not None:
+            if up.replicas is not None:
+                up.replicas.adopt(prev.replicas, fresh_breakers=circuit_changed)
+            else:
+                prev.replicas.retire()
     for name in before.keys() - {up.name for up in new.upstreams}:
         no_stream_options.discard(name)
+        gone = before[name].replicas
+        if gone is not None:
+            gone.retire()
 
 
 class Target(Protocol):

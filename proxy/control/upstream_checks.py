@@ -140,4 +140,8 @@ class UpstreamChecker:
                     "config_warnings": list(getattr(up, "config_warnings", ())),
                 }
             )
+            pool = getattr(up, "replicas", None)
+            if pool is not None:
+                rows[-1]["balance"] = pool.policy
+                rows[-1]["replicas"] = pool.rows(now)
         return {"ready": ready, "draining": draining, "upstreams": rows}

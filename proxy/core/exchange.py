@@ -73,6 +73,7 @@ class Exchange:
     prompt_class: str = ""
     upstream: str | None = None
     upstream_url: str | None = None
+    replica: str | None = None  # the pool replica of the current attempt (its display address)
     # Headers of the next upstream attempt; observers may add to them in attempt_started
     # (the tracing observer injects `traceparent` here).
     upstream_headers: dict[str, str] = field(default_factory=dict)
@@ -176,6 +177,13 @@ class Exchange:
         # Embeddings produce no completion: their usage holds the prompt tokens alone.
         counted = self.prompt_tokens if self.route == "embeddings" else self.completion_tokens
         return TokenSource.USAGE if counted is not None else TokenSource.ESTIMATED
+
+    @property
+    def ttft_of_attempt(self) -> float | None:
+        """From the committed attempt's start to the first token: a replica's own TTFT."""
+        if self.first_token_at is None or self.attempt_started_at is None:
+            return None
+        return self.first_token_at - self.attempt_started_at
 
     @property
     def tpot(self) -> float | None:

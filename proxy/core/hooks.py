@@ -29,6 +29,9 @@ HOOKS = (
     "ended",
     "upstream_health",
     "answered",
+    "balanced",
+    "replica_released",
+    "replica_health",
 )
 
 
@@ -79,6 +82,19 @@ class Observer:
 
     def upstream_health(self, ex: Exchange, upstream: str, up: bool) -> None:
         """An upstream's circuit opened (up=False) or closed again (up=True) during `ex`."""
+
+    def balanced(self, ex: Exchange, policy: str, reason: str) -> None:
+        """A pool chose `ex.replica` of `ex.upstream` for the next attempt (reason: balance.py's);
+        it carries the attempt until the matching `replica_released`."""
+
+    def replica_released(self, ex: Exchange, upstream: str, replica: str, outcome: str | None) -> None:
+        """The attempt (and, once committed, the stream) on `replica` is over: exactly once per
+        `balanced`. `outcome`: the failure's (an Outcome value) for an attempt that failed before
+        its commit; None for the one whose answer was relayed, or one cut short (the request's
+        outcome then says how it ended)."""
+
+    def replica_health(self, upstream: str, replica: str, up: bool) -> None:
+        """A pool replica was ejected or left the pool (up=False), or was readmitted or joined."""
 
     def answered(self, answer: LocalAnswer) -> None:
         """A request that infertap answered itself (refused before it was read, or one of its own
@@ -171,6 +187,18 @@ class ObserverSet:
     def upstream_health(self, ex: Exchange, upstream: str, up: bool) -> None:
         for call in self._calls["upstream_health"]:
             call(ex, upstream, up)
+
+    def balanced(self, ex: Exchange, policy: str, reason: str) -> None:
+        for call in self._calls["balanced"]:
+            call(ex, policy, reason)
+
+    def replica_released(self, ex: Exchange, upstream: str, replica: str, outcome: str | None) -> None:
+        for call in self._calls["replica_released"]:
+            call(ex, upstream, replica, outcome)
+
+    def replica_health(self, upstream: str, replica: str, up: bool) -> None:
+        for call in self._calls["replica_health"]:
+            call(upstream, replica, up)
 
     def answered(self, answer: LocalAnswer) -> None:
         for call in self._calls["answered"]:

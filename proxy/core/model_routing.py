@@ -16,6 +16,7 @@ from proxy.core.headers import (
     request_policy,
     response_policy,
 )
+from proxy.core.replicas import ReplicaPool
 from proxy.core.seam import Pool, Timeouts
 from proxy.settings import RetrySettings, Settings, UpstreamSettings, display_url
 
@@ -59,10 +60,12 @@ class Upstream:
     # Which client headers reach it, and which of its answer's headers reach the client.
     request_policy: HeaderPolicy = DEFAULT_REQUEST_POLICY
     response_policy: HeaderPolicy = DEFAULT_RESPONSE_POLICY
+    # Several servers behind this name (`replicas = [...]`): None for a base_url upstream.
+    replicas: ReplicaPool | None = None
 
     def __post_init__(self) -> None:
         self.display_url = display_url(self.base_url)
-        self.config_warnings = base_url_warnings(self.name, self.base_url)
+        self.config_warnings = base_url_warnings(self.name, self.base_url) if self.base_url else ()
 
     @classmethod
     def from_settings(cls, s: UpstreamSettings, settings: Settings) -> Upstream:
@@ -82,11 +85,35 @@ class Upstream:
             list(s.fallback),
             Pool(s.name, s.max_connections),
         )
+        if s.replicas:
+            up.replicas = ReplicaPool(
+                s.name,
+                s.balance,
+                lambda: Breaker.from_settings(settings.circuit),
+                s.balance_load_factor,
+                s.session_header,
+                s.dns(),
+                s.discovery_interval_seconds,
+            )
+            up.replicas.set_members(s.urls())
+            up.display_url = ", ".join(display_url(r) for r in s.replicas)
+            up.config_warnings = tuple(w for url in s.urls() for w in base_url_warnings(s.name, url))
         if s.forward_headers:
             up.request_policy = request_policy(s.forward_headers)
         if s.return_headers:
             up.response_policy = response_policy(s.return_headers)
         return up
+
+    # For a pool, whether any replica may take a request; its breaker is unused (each replica's
+    # circuit is its own: one sick replica must not take the pool away).
+    def available(self, now: float) -> bool:
+        return self.breaker.available(now) if self.replicas is None else self.replicas.available(now)
+
+    def describe(self, now: float) -> str:
+        return self.breaker.describe(now) if self.replicas is None else self.replicas.describe(now)
+
+    def retry_in(self, now: float) -> float:
+        return self.breaker.retry_in(now) if self.replicas is None else self.replicas.retry_in(now)
 
     def url(self, suffix: str) -> str:
         """`suffix` is the path after /v1, e.g. `/chat/completions`."""
@@ -117,6 +144,13 @@ class ModelRouter:
         self.default = default
         by_name = {u.name: u for u in upstreams}
         self._plans = {u.name: [u, *(by_name[f] for f in u.fallback)] for u in upstreams}
+        self._affinity = {
+            name: next(
+                (u.replicas.session_header.encode() for u in plan if u.replicas and u.replicas.wants_key),
+                None,
+            )
+            for name, plan in self._plans.items()
+        }
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ModelRouter:
@@ -132,6 +166,11 @@ class ModelRouter:
                 if up.models and up.matches(model):
                     return up
         return self.default
+
+    def affinity_header(self, first: Upstream) -> bytes | None:
+        """The session header of the first prefix_affinity pool in `first`'s plan: None when no
+        pool there wants a conversation key (nothing computed per request)."""
+        return self._affinity[first.name]
 
     def plan(self, first: Upstream) -> list[Upstream]:
         """The routed upstream, then its fallbacks, in order."""

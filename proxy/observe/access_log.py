@@ -46,7 +46,7 @@ def _capped(model: str | None) -> str | None:
 
 def access_record(ex: Exchange) -> dict[str, Any]:
     """The line's fields, straight from the Exchange, so they equal what the metrics observed."""
-    return {
+    record = {
         "ts": _ts(ex.started_unix_ns),
         "request_id": ex.request_id,
         "method": ex.method,
@@ -74,6 +74,9 @@ def access_record(ex: Exchange) -> dict[str, Any]:
         "trace_id": ex.trace_id,
         "error": ex.error_message,
     }
+    if ex.replica is not None:  # a pool's: the replica that answered (or was tried last)
+        record["replica"] = ex.replica
+    return record
 
 
 def local_record(answer: LocalAnswer) -> dict[str, Any]:

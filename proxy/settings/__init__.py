@@ -30,9 +30,11 @@ from proxy.settings.sections import (
     TracingSettings,
     UISettings,
 )
-from proxy.settings.upstreams import UpstreamSettings
+from proxy.settings.upstreams import DnsTarget, UpstreamSettings, dns_target
 
 __all__ = [
+    "DnsTarget",
+    "dns_target",
     "DEFAULT_PROMPT_CLASS_BOUNDS",
     "HIDDEN",
     "RELOADABLE",

@@ -29,7 +29,8 @@ def public_config(settings: Settings) -> dict[str, Any]:
     hidden, except the names of environment variables and files (`*_env`, `*_file`)."""
     data = settings.model_dump(mode="json")
     for up in data.get("upstreams", []):
-        up["base_url"] = display_url(up["base_url"])
+        up["base_url"] = display_url(up["base_url"]) if up["base_url"] else ""
+        up["replicas"] = [display_url(r) for r in up.get("replicas", [])]
         up["headers"] = {name: HIDDEN for name in up.get("headers", {})}
     tracing = data.get("tracing", {})
     if tracing.get("endpoint"):

@@ -22,6 +22,7 @@ from proxy.core.exchange import Exchange
 from proxy.core.headers import forwarded_headers
 from proxy.core.hooks import ObserverSet
 from proxy.core.model_routing import RETRYABLE_STATUS, Upstream
+from proxy.core.replicas import Replica
 from proxy.core.route_table import Route
 from proxy.core.seam import UpstreamClient, UpstreamResponse
 from proxy.core.sse import SSEScanner
@@ -51,6 +52,7 @@ class Call:
     # The client's headers as received, for a fallback whose header policy is not the routed one's.
     client_headers: Iterable[tuple[bytes, bytes]] = ()
     client_addr: Any = None
+    affinity: int | None = None  # prefix_affinity's key: the conversation (forward/intake.py)
 
     def error_event(self, message: str, kind: str) -> bytes:
         """The in-band error that ends this committed stream, in its route's shape."""
@@ -111,12 +113,15 @@ class Attempter:
             return headers
         return {**headers, "authorization": f"Bearer {up.api_key}"}
 
-    async def run(self, call: Call, up: Upstream, last: bool) -> Ready | Failure:
-        """One upstream attempt, up to the point where its answer can be committed."""
+    async def run(
+        self, call: Call, up: Upstream, last: bool, replica: Replica | None = None
+    ) -> Ready | Failure:
+        """One upstream attempt (on `replica` of its pool), up to where its answer can be committed."""
         ex, obs = call.ex, self.observers
         ex.attempts += 1
         ex.upstream = up.name
-        ex.upstream_url = up.display_url
+        ex.upstream_url = where = up.display_url if replica is None else replica.display_url
+        url = up.url(call.suffix) if replica is None else replica.url + call.suffix
         ex.upstream_headers = self.headers_for(call, up)
         ex.attempt_started_at = time.perf_counter()
         obs.attempt_started(ex)
@@ -129,7 +134,7 @@ class Attempter:
             async with asyncio.timeout(up.ttft_timeout if generation_stream else None):
                 resp = await self.client.send(
                     ex.method,
-                    up.url(call.suffix),
+                    url,
                     self._keyed(ex.upstream_headers, up),
                     call.body or None,
                     up.timeout,
@@ -146,7 +151,7 @@ class Attempter:
                     return Failure(
                         kind,
                         status,
-                        f"upstream '{up.name}' ({up.display_url}) answered HTTP {status}",
+                        f"upstream '{up.name}' ({where}) answered HTTP {status}",
                         retry_after(resp.headers.get("retry-after")),
                     )
                 if status == 400 and ex.usage_injected:
@@ -162,8 +167,7 @@ class Attempter:
                         return Failure(
                             ErrorKind.STREAM_OPTIONS,
                             400,
-                            f"upstream '{up.name}' ({up.display_url}) rejects stream_options: "
-                            "asking again without it",
+                            f"upstream '{up.name}' ({where}) rejects stream_options: asking again without it",
                         )
                     ready = _error_answer(resp, up, content, None)
                     return ready
@@ -197,10 +201,10 @@ class Attempter:
             kind = err.kind
             if kind is ErrorKind.IDLE_TIMEOUT:
                 kind = ErrorKind.TTFT_TIMEOUT  # nothing relayed yet: still waiting for the first token
-            return Failure(kind, ERRORS[kind].status, say(up, err, phase))
+            return Failure(kind, ERRORS[kind].status, say(up, err, phase, where))
         except TimeoutError:
             kind = ErrorKind.TTFT_TIMEOUT
-            return Failure(kind, 504, failure_message(up.name, up.display_url, kind, "", "", up.ttft_timeout))
+            return Failure(kind, 504, failure_message(up.name, where, kind, "", "", up.ttft_timeout))
         finally:
             if resp is not None and ready is None:
                 resp.close()  # unread: drop the connection rather than return it to the pool
@@ -225,7 +229,7 @@ class Attempter:
         return ready
 
 
-def say(up: Upstream, err: UpstreamError, phase: str) -> str:
+def say(up: Upstream, err: UpstreamError, phase: str, where: str | None = None) -> str:
     """The message for `err` on `up` (its cause, where the request stood, the timeout that ran out)."""
     seconds = {
         "connect": up.timeout.connect,
@@ -233,7 +237,7 @@ def say(up: Upstream, err: UpstreamError, phase: str) -> str:
         "ttft": up.ttft_timeout,
         "total": up.total_timeout,
     }.get(ERRORS[err.kind].timeout_phase or "")
-    return failure_message(up.name, up.display_url, err.kind, err.message, phase, seconds)
+    return failure_message(up.name, where or up.display_url, err.kind, err.message, phase, seconds)
 
 
 async def _read_error(chunks: AsyncIterator[bytes]) -> tuple[bytes, AsyncIterator[bytes] | None]:

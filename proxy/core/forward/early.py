@@ -100,7 +100,7 @@ async def end_with_answer(send: Send, call: Call, up: Upstream, ready: Ready) ->
     status = ready.resp.status
     outcome = status_outcome(status) if status != 200 else Outcome.UPSTREAM_ERROR
     said = _error_message(ready.prefetched)
-    msg = f"upstream '{up.name}' ({up.display_url}) answered "
+    msg = f"upstream '{up.name}' ({call.ex.upstream_url or up.display_url}) answered "
     if status == 200:
         msg += f"a stream with {ready.resp.headers.get('content-type') or 'no content type'}"
     else:

@@ -32,9 +32,10 @@ from proxy.core.asgi import (
 from proxy.core.circuit import PANIC, Permit
 from proxy.core.errors import ERRORS, ErrorKind, Phase, outcome_of
 from proxy.core.exchange import Exchange, Outcome
+from proxy.core.forward import pooled
 from proxy.core.forward.attempts import Attempter, Call, Failure, Ready, say
 from proxy.core.forward.early import answer_error, end_with_answer, fits, open_early, quiet
-from proxy.core.forward.intake import RequestRejected, fill_record, parse_request, with_usage
+from proxy.core.forward.intake import RequestRejected, affinity_key, fill_record, parse_request, with_usage
 from proxy.core.forward.lifetime import guarded
 from proxy.core.forward.relay import (
     relay_committed,
@@ -47,6 +48,7 @@ from proxy.core.headers import forwarded_headers, forwarded_query
 from proxy.core.hooks import ObserverSet
 from proxy.core.model_routing import ModelRouter, Upstream
 from proxy.core.paths import PathRejected, passthrough_suffix
+from proxy.core.replicas import Replica
 from proxy.core.request_ids import RequestIds
 from proxy.core.route_table import OTHER, Route
 from proxy.core.seam import UpstreamClient
@@ -180,6 +182,9 @@ class Forwarder:
         call.client_headers = scope["headers"]
         call.client_addr = scope.get("client")
         call.plan = routing.plan(upstream)
+        header = routing.affinity_header(upstream)
+        if header is not None:
+            call.affinity = affinity_key(obj, scope["headers"], header)
         self.observers.request_received(ex)
         await self._guarded(receive, send, call)
 
@@ -231,7 +236,7 @@ class Forwarder:
         now = time.monotonic()
         # Only asks: the permit is taken right before an attempt goes (a fallback the request
         # never reaches must not hold its upstream's probe slot).
-        usable = [up for up in plan if up.breaker.available(now)]
+        usable = [up for up in plan if up.available(now)]
         panic = False
         if not usable:
             if not self.panic:
@@ -244,12 +249,21 @@ class Forwarder:
         # nothing to try, and a retry counted then would be one that never happened.
         retry: tuple[str, float] | None = None
         exhausted = False
+        tried: list[Replica] = []  # a pool's replicas this request tried: a retry goes elsewhere
         for i, up in enumerate(usable):
             policy = up.retry
+            pool = up.replicas
             attempt = 0
             while attempt < policy.max_attempts:
                 attempt += 1
-                permit = PANIC if panic else up.breaker.acquire(time.monotonic())
+                replica: Replica | None = None
+                breaker = up.breaker
+                if pool is not None:
+                    replica, reason = pool.choose(call.affinity, tried, panic)
+                    if replica is None:
+                        break  # no replica may take it: on to the fallback
+                    breaker = replica.breaker
+                permit = PANIC if panic else breaker.acquire(time.monotonic())
                 if permit is None:
                     break  # opened meanwhile, or another request is its probe: on to the fallback
                 if retry is not None:
@@ -257,8 +271,11 @@ class Forwarder:
                     self.observers.retry(ex, *retry)
                     retry = None
                 last = i == len(usable) - 1 and attempt == policy.max_attempts
+                result: Ready | Failure | None = None
+                if replica is not None:
+                    pooled.take(self.observers, ex, up, replica, tried, reason)
                 try:
-                    result = await self.attempter.run(call, up, last)
+                    result = await self.attempter.run(call, up, last, replica)
                     if isinstance(result, Ready):
                         status = result.resp.status
                         self._health(
@@ -266,15 +283,26 @@ class Forwarder:
                             up,
                             permit,
                             status < 500,
-                            f"upstream '{up.name}' ({up.display_url}) answered HTTP {status}",
+                            f"upstream '{up.name}' ({ex.upstream_url}) answered HTTP {status}",
+                            replica,
                         )
                     elif result.kind is not ErrorKind.POOL_TIMEOUT:  # no call went: nothing to judge
-                        self._health(ex, up, permit, not ERRORS[result.kind].unhealthy, result.message)
+                        self._health(
+                            ex, up, permit, not ERRORS[result.kind].unhealthy, result.message, replica
+                        )
                 finally:
-                    up.breaker.release(permit)
+                    breaker.release(permit)
+                    if replica is not None and not isinstance(result, Ready):
+                        failed = None if result is None else outcome_of(result.kind).value
+                        pooled.release(self.observers, ex, up, replica, False, failed)
                 if isinstance(result, Ready):
-                    await self._commit(send, call, up, result, watcher)
+                    try:
+                        await self._commit(send, call, up, result, watcher)
+                    finally:
+                        if replica is not None:
+                            pooled.release(self.observers, ex, up, replica, True, None)
                     return
+                assert result is not None
                 failure = result
                 ex.attempt_failed_at = time.perf_counter()
                 if failure.kind is ErrorKind.STREAM_OPTIONS:
@@ -286,12 +314,14 @@ class Forwarder:
                 if last:
                     break
                 now = time.monotonic()
-                if attempt < policy.max_attempts and (panic or up.breaker.available(now)):
+                if attempt < policy.max_attempts and (panic or up.available(now)):
                     wait = policy.backoff(attempt) if failure.wait is None else failure.wait
+                    if pool is not None and any(r.admitted(now) and r not in tried for r in pool.members):
+                        wait = 0.0  # another replica goes next: this one's trouble is not its
                     retry = (failure.kind.value, min(wait, policy.max_backoff_seconds))
                     if retry[1] > 0:
                         await asyncio.sleep(retry[1])
-                elif panic or any(later.breaker.available(now) for later in usable[i + 1 :]):
+                elif panic or any(later.available(now) for later in usable[i + 1 :]):
                     retry = (failure.kind.value, 0.0)  # on to the fallback
                     break
                 else:
@@ -312,13 +342,18 @@ class Forwarder:
         self, send: Send, call: Call, plan: list[Upstream], watcher: asyncio.Task[None]
     ) -> None:
         now = time.monotonic()
-        msg = "; ".join(f"upstream '{up.name}' is unavailable: {up.breaker.describe(now)}" for up in plan)
-        wait = str(max(1, math.ceil(min(up.breaker.retry_in(now) for up in plan)))).encode()
+        msg = "; ".join(f"upstream '{up.name}' is unavailable: {up.describe(now)}" for up in plan)
+        wait = str(max(1, math.ceil(min(up.retry_in(now) for up in plan)))).encode()
         kind = Outcome.UPSTREAM_ERROR.value
         await answer_error(send, call, watcher, 503, msg, kind, "circuit_open", [(b"retry-after", wait)])
         self.end(call.ex, Outcome.UPSTREAM_ERROR, 503, msg)
 
-    def _health(self, ex: Exchange, up: Upstream, permit: Permit, ok: bool, cause: str) -> None:
+    def _health(
+        self, ex: Exchange, up: Upstream, permit: Permit, ok: bool, cause: str, replica: Replica | None = None
+    ) -> None:
+        if replica is not None:
+            pooled.judge(self.observers, up, replica, permit, ok, cause)
+            return
         if up.breaker.record(permit, ok, time.monotonic(), None if ok else cause):
             now_up = not up.breaker.is_open
             if now_up:
@@ -363,7 +398,7 @@ class Forwarder:
             kind = err.kind
             if kind not in (ErrorKind.IDLE_TIMEOUT, ErrorKind.TTFT_TIMEOUT):
                 kind = ErrorKind.STREAM_INTERRUPTED
-            msg = say(up, err, Phase.RESPONSE)
+            msg = say(up, err, Phase.RESPONSE, ex.upstream_url)
             if ready.scanner is not None:
                 facts = ready.scanner.facts
             take_facts(ex, facts)

@@ -4,10 +4,12 @@ stream flag, the prompt's size), and the one change it makes to it (asking a str
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
 
+from proxy.core.balance import stable_hash
 from proxy.core.exchange import Exchange, prompt_class
 from proxy.core.route_table import Route
 
@@ -148,3 +150,44 @@ def parse_request(route: Route, body: bytes) -> dict[str, Any] | None:
     if not isinstance(stream, bool):
         raise RequestRejected(400, "'stream' must be true or false", "invalid_stream", "stream")
     return obj
+
+
+AFFINITY_PROMPT_CHARS = 2048  # /v1/completions: the prompt's first characters name the conversation
+
+
+def affinity_key(
+    obj: dict[str, Any] | None, headers: Iterable[tuple[bytes, bytes]], session: bytes
+) -> int | None:
+    """prefix_affinity's key: the client's session header when it sends one, else a hash of what
+    every turn of a conversation starts with (the system prompt(s) and the first user turn, or a
+    completion prompt's first characters). None: nothing names it (the pool balances by load)."""
+    for name, value in headers:
+        if name == session and value:
+            return stable_hash(b"s\0" + value)
+    if obj is None:
+        return None
+    messages = obj.get("messages")
+    if not isinstance(messages, list):
+        messages = obj.get("input") if isinstance(obj.get("input"), list) else None
+    lead: list[Any] = []
+    instructions = obj.get("instructions")
+    if isinstance(instructions, str):
+        lead.append(instructions)
+    if messages:
+        for m in messages:
+            if not isinstance(m, dict):
+                break
+            lead.append(m.get("content"))
+            if m.get("role") not in ("system", "developer"):
+                break  # the first turn after the system prompt(s) ends the conversation's name
+    if lead:
+        try:
+            return stable_hash(b"m\0" + orjson.dumps(lead))
+        except TypeError:
+            return None
+    prompt = obj.get("prompt", obj.get("input"))
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return stable_hash(b"p\0" + prompt[:AFFINITY_PROMPT_CHARS].encode("utf-8", "surrogatepass"))
+    return None

@@ -31,6 +31,7 @@ from proxy.observe.metrics.buckets import (
 )
 from proxy.observe.metrics.labels import NONE, OTHER, ModelLabels, multiprocess_dir
 from proxy.observe.metrics.loop_lag import LoopLagProbe
+from proxy.observe.metrics.pools import PoolMetrics
 from proxy.observe.spend import billed_tokens
 from proxy.settings import MetricsSettings, Settings
 
@@ -310,6 +311,7 @@ class Metrics(Observer):
         self._budgeted: set[str] = set()
         for client in self.budgets:
             self._set_budget(client)
+        self.pools = PoolMetrics(r, m.ttft_buckets or TTFT_BUCKETS, Counter, Gauge, Histogram)
         self._upstreams: set[str] = set()  # the upstreams configured now
         self._follow(settings, {up.name for up in settings.upstreams})
 
@@ -323,6 +325,7 @@ class Metrics(Observer):
     def _follow(self, settings: Settings, fresh_circuits: Collection[str]) -> None:
         """The per-upstream series for the upstreams configured now (at start and on each reload)."""
         now = {up.name for up in settings.upstreams}
+        self.pools.follow(settings)
         for name in fresh_circuits:
             # Known children up front: dashboards see zeros instead of missing series, and a circuit
             # that starts anew is closed. A kept circuit goes on, and so does its upstream_up.
@@ -367,6 +370,16 @@ class Metrics(Observer):
     def upstream_health(self, ex: Exchange, upstream: str, up: bool) -> None:
         self._c(self.upstream_up, upstream).set(1 if up else 0)
 
+    # A pool's replicas: metrics/pools.py.
+    def balanced(self, ex: Exchange, policy: str, reason: str) -> None:
+        self.pools.balanced(ex, policy, reason)
+
+    def replica_released(self, ex: Exchange, upstream: str, replica: str, outcome: str | None) -> None:
+        self.pools.replica_released(ex, outcome)
+
+    def replica_health(self, upstream: str, replica: str, up: bool) -> None:
+        self.pools.replica_health(upstream, replica, up)
+
     def first_byte(self, ex: Exchange) -> None:
         model, upstream = ex.scratch["metrics"][0], ex.upstream or NONE
         ttfb = ex.ttfb
@@ -378,6 +391,8 @@ class Metrics(Observer):
         ttft = ex.ttft
         if ttft is not None:
             self._c(self.ttft, model, upstream, ex.prompt_class).observe(ttft, self._exemplar(ex))
+        if ex.replica is not None:
+            self.pools.first_token(ex)
         ex.scratch["metrics.itl"] = self._c(self.itl, model, upstream)
         if self.overhead_on:
             overhead = ex.first_token_overhead
@@ -402,6 +417,8 @@ class Metrics(Observer):
                 self._intake.observe(intake)
         client = ex.client
         self._c(self.requests, ex.route, model, upstream, stream, outcome, client).inc()
+        if ex.replica is not None:
+            self.pools.ended(ex, outcome)
         if ex.attempts:
             result = "cancelled" if ex.outcome is Outcome.CLIENT_DISCONNECT else outcome
             self._c(self.attempts, upstream, result).inc()

@@ -113,6 +113,8 @@ def _request_attrs(ex: Exchange) -> tuple[str, Attrs]:
 def _response_attrs(ex: Exchange) -> Attrs:
     attrs: Attrs = {"infertap.outcome": str(ex.outcome), "infertap.attempts": ex.attempts}
     attrs["infertap.retries"] = ex.retries
+    if ex.replica is not None:
+        attrs["infertap.replica"] = ex.replica  # a pool's replica, its address
     if ex.status_code is not None:
         attrs["http.response.status_code"] = ex.status_code
     if ex.response_model:
