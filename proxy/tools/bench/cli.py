@@ -167,6 +167,8 @@ def main(argv: list[str]) -> int:
             bench.start({t for s in chosen for t in s.targets})
             results = {s.name: bench.scenario(s) for s in chosen}
         if want_fleet:
+            if not chosen:  # the fleet's processes are not pinned: the report must not say so
+                bench.harness_cpu = bench.proxy_cpu = None
             rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
             results["fleet"] = run_fleet(args.replicas, args.quick, rounds, router, log)
         machine = _machine(bench, (before, now))

@@ -48,12 +48,13 @@ _DONE = "vllm:e2e_request_latency_seconds_count"
 def workloads(quick: bool, replicas: int) -> tuple[Workload, Workload]:
     if quick:
         return (
-            Workload("chat", conversations=4, turns=2, concurrency=2, system_tokens=200, output_tokens=4),
-            Workload("skew", conversations=8, turns=1, concurrency=4, system_tokens=100, output_tokens=4),
+            Workload("chat", 4, 2, 2, system_tokens=200, output_tokens=4, stagger_s=0.01, think_s=0.01),
+            Workload("skew", 8, 1, 4, system_tokens=100, output_tokens=4, stagger_s=0.01),
         )
     return (
         Workload("chat", conversations=16, turns=4, concurrency=8, system_tokens=1200),
-        Workload("skew", conversations=12 * replicas, turns=1, concurrency=4 * replicas, system_tokens=400),
+        # Arrivals faster than the pool serves: the concurrency limit, not the arrivals, paces it.
+        Workload("skew", 12 * replicas, 1, 4 * replicas, system_tokens=400, stagger_s=0.02),
     )
 
 
@@ -192,7 +193,7 @@ class Fleet:
             for i, name in enumerate(names[k:] + names[:k]):
                 self.log(f"fleet {workload.name}: {name}, round {r + 1}/{rounds}")
                 before = [s.counters() for s in self.sims]
-                outcome = run_workload(routes[name], workload, salt * 1000 + r * 100 + i)
+                outcome = run_workload(routes[name], workload, salt * 1000 + r * 100 + i, seed=r)
                 after = [s.counters() for s in self.sims]
                 per_round[name].append(_round_row(outcome, before, after))
         return [{"phase": workload.name, "target": n, **_median(per_round[n])} for n in names]
@@ -265,8 +266,8 @@ def run_fleet(
         rows += fleet.measure(skew, rounds, salt=2)
         notes = fleet.notes + [
             f"chat: {chat.conversations} conversations of a ~{chat.system_tokens}-token system prompt and "
-            f"{chat.turns} turns, {chat.concurrency} at a time, each starting {chat.stagger_s:g} s after "
-            "the one before",
+            f"{chat.turns} turns, {chat.concurrency} at a time, arriving {chat.stagger_s:g} s apart on "
+            f"average (Poisson), the user thinking {chat.think_s:g} s on average between turns",
             f"skew: {skew.conversations} single turns of distinct ~{skew.system_tokens}-token prompts, "
             f"{skew.concurrency} at a time; replica 0 {SKEW_SLOWDOWN:g}x slower, max_num_seqs "
             f"{SKEW_MAX_SEQS} on every replica",

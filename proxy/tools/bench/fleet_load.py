@@ -8,8 +8,11 @@ turn k-1's, and an engine that saw turn k-1 has its blocks in its prefix cache, 
 evicted meanwhile. `salt` makes every prompt of a run distinct from every other run's, so that no
 row inherits the cache of the row before it.
 
-Conversations arrive interleaved: each starts `stagger_s` after the one before it (or later, when
-`concurrency` are already under way), and its turns follow one another as the answers arrive.
+Conversations arrive interleaved, in an open loop: at random (exponential gaps of `stagger_s` on
+average; later when `concurrency` are already under way), and each user reads an answer for a random
+while (`think_s` on average) before the next turn. Without that randomness the turns of 8
+conversations on 4 replicas march in step, and round robin sends every conversation to the same
+replica each turn, as an oracle would. `seed` draws those times: the same for every row of a round.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ class Workload:
     system_tokens: int
     user_tokens: int = 40
     output_tokens: int = 24
-    stagger_s: float = 0.05
+    stagger_s: float = 0.1
+    think_s: float = 0.25
 
 
 @dataclass
@@ -98,11 +102,14 @@ async def _turn(
 
 
 async def _conversation(
-    client: httpx.AsyncClient, route: Route, conv: int, w: Workload, salt: int, out: Outcome
+    client: httpx.AsyncClient, route: Route, conv: int, w: Workload, salt: int, seed: int, out: Outcome
 ) -> None:
     rng = random.Random(f"{salt}/{conv}")
+    pace = random.Random(f"think {seed}/{conv}")
     messages = [{"role": "system", "content": f"run {salt} agent {conv}: " + _text(rng, w.system_tokens)}]
     for turn in range(w.turns):
+        if turn:
+            await asyncio.sleep(pace.expovariate(1 / w.think_s) if w.think_s > 0 else 0.0)
         messages.append({"role": "user", "content": _text(rng, w.user_tokens)})
         answer = await _turn(client, route(conv, turn), messages, w, out)
         if answer is None:
@@ -110,23 +117,28 @@ async def _conversation(
         messages.append({"role": "assistant", "content": answer})
 
 
-async def _run(route: Route, w: Workload, salt: int) -> Outcome:
+async def _run(route: Route, w: Workload, salt: int, seed: int) -> Outcome:
     out = Outcome()
+    arrivals = random.Random(f"arrivals {seed}")
+    starts = [0.0]
+    for _ in range(w.conversations - 1):
+        starts.append(starts[-1] + (arrivals.expovariate(1 / w.stagger_s) if w.stagger_s > 0 else 0.0))
     gate = asyncio.Semaphore(w.concurrency)
     limits = httpx.Limits(max_connections=w.concurrency * 2, max_keepalive_connections=w.concurrency * 2)
     async with httpx.AsyncClient(timeout=120.0, limits=limits) as client:
 
         async def one(conv: int) -> None:
-            await asyncio.sleep(conv * w.stagger_s)
+            await asyncio.sleep(starts[conv])
             async with gate:
-                await _conversation(client, route, conv, w, salt, out)
+                await _conversation(client, route, conv, w, salt, seed, out)
 
         await asyncio.gather(*(one(c) for c in range(w.conversations)))
     return out
 
 
-def run_workload(route: Route, w: Workload, salt: int) -> Outcome:
-    return asyncio.run(_run(route, w, salt))
+def run_workload(route: Route, w: Workload, salt: int, seed: int = 0) -> Outcome:
+    """`salt`: the prompts' text (distinct per run); `seed`: the arrival and think times."""
+    return asyncio.run(_run(route, w, salt, seed))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     w = Workload("chat", args.conversations, args.turns, args.concurrency, args.system_tokens)
     r = 0
     while not args.rounds or r < args.rounds:
-        out = run_workload(lambda _c, _t: args.url, w, salt=int(time.time()) * 1000 + r)
+        out = run_workload(lambda _c, _t: args.url, w, salt=int(time.time()) * 1000 + r, seed=r)
         print(
             f"round {r + 1}: {out.ok}/{out.requests} ok, errors {dict(out.errors)}",
             file=sys.stderr,
