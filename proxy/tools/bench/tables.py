@@ -128,6 +128,13 @@ def render(report: dict[str, Any], markdown: bool) -> str:
             bullet = "- " if markdown else "  "
             lines.append(f"{bullet}{_verdict(c)}  {c['name']}: {v} (target {c['target']})")
         lines.append("")
+    if any(sc.get("kind") == "fleet" for sc in report["scenarios"].values()):
+        lines.append(
+            "fleet: hit rate = the sims' vllm:prefix_cache_hits_total / queries_total over the row's run; "
+            "TTFT in ms at the client; load = requests each sim finished, max / mean; medians over rounds."
+        )
+    if all(sc.get("kind") == "fleet" for sc in report["scenarios"].values()):
+        return "\n".join(lines + [f"{'- ' if markdown else 'note: '}{n}" for n in report["machine"]["notes"]])
     lines.append(
         "Times in ms; +X is the proxy minus direct, quantile by quantile; gap = inter-token gap at the "
         "client; x direct, x nginx = req/s ratios; CPU = the proxy's utime+stime per completed request; "
