@@ -14,6 +14,7 @@ Sources -> generated files:
     deploy/prometheus/rules/*.yml                -> deploy/kubernetes/prometheusrule.yaml
     deploy/prometheus/tests/scenarios.py + rules -> deploy/prometheus/tests/*.test.yml
     deploy/prometheus/tests/spend_scenarios.py   -> deploy/prometheus/tests/spend.test.yml
+    deploy/prometheus/tests/fleet_scenarios.py   -> deploy/prometheus/tests/fleet.test.yml
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
-RULE_FILES = ("infertap-recording.yml", "infertap-alerts.yml", "infertap-spend.yml")
+RULE_FILES = ("infertap-recording.yml", "infertap-alerts.yml", "infertap-spend.yml", "infertap-fleet.yml")
 # Each rule-test source and the rule files its tests load.
 TEST_SOURCES = {
     "scenarios.py": ("infertap-recording.yml", "infertap-alerts.yml"),
     "spend_scenarios.py": ("infertap-spend.yml",),
+    "fleet_scenarios.py": ("infertap-fleet.yml",),
 }
 # Where runbook_url points: the docs/monitoring.md of this repository (--runbook-base changes it).
 DEFAULT_RUNBOOK_BASE = "https://github.com/infertap/infertap/blob/main/docs/monitoring.md"

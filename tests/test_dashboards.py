@@ -29,9 +29,10 @@ def load(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def test_four_dashboards() -> None:
+def test_five_dashboards() -> None:
     assert [p.name for p in DASHBOARDS] == [
         "infertap-engine.json",
+        "infertap-fleet.json",
         "infertap-overview.json",
         "infertap-prefill-decode.json",
         "infertap-usage-spend.json",
@@ -57,7 +58,7 @@ def test_conventions(path: Path) -> None:
     assert dash["schemaVersion"] >= 39
     assert dash["uid"] == path.stem and len(dash["uid"]) <= 40
     names = [v["name"] for v in dash["templating"]["list"]]
-    engine = ["model_name", "instance"] if path.stem == "infertap-engine" else []
+    engine = ["model_name", "instance"] if path.stem in ("infertap-engine", "infertap-fleet") else []
     assert names == ["datasource", "job", "namespace", "model", "upstream", *engine]
     ids = [p["id"] for p in panels(dash)]
     assert len(ids) == len(set(ids))
@@ -139,6 +140,14 @@ def test_required_panels() -> None:
         "Prefix cache hit ratio by model",
         "Reasoning share by model",
     } <= titles["infertap-usage-spend"]
+    assert {
+        "Requests/s per replica",
+        "In-flight requests per replica",
+        "TTFT p95 per replica vs the pool's median",
+        "Ejected or draining replicas",
+        "Affinity hit rate",
+        "Engine prefix cache hit rate per instance",
+    } <= titles["infertap-fleet"]
 
 
 def test_provisioning_points_at_the_dashboards() -> None:
@@ -195,6 +204,9 @@ def test_latency_quantiles_never_mix_models_and_engine_panels_use_instance() -> 
                     if m.group(2) in OWN_COST:
                         continue
                     by = {x.strip() for x in m.group(1).split(",")}
+                    if m.group(2).startswith("infertap_replica_"):  # a pool is one upstream: no model label
+                        assert {"upstream", "replica"} <= by, f"{path.stem} / {p['title']}: {t['expr']}"
+                        continue
                     assert by & {"model", "model_name"}, f"{path.stem} / {p['title']}: {t['expr']}"
                 # every vLLM replica reports engine="0": group by instance instead
                 assert "by (engine)" not in t["expr"], p["title"]

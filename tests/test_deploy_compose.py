@@ -59,9 +59,42 @@ def test_compose_config_default_and_gpu_profile() -> None:
     assert not any("otlp" in str(arg) for arg in gpu["services"]["vllm"]["command"])
 
 
+def test_fleet_profile_three_simulated_replicas_behind_one_pool() -> None:
+    """`--profile fleet`: the Fleet dashboard's data with no GPU. The pool's replicas are the sim
+    services, Prometheus scrapes them and the pool's infertap, and a client sends it conversations."""
+    default = compose_config()
+    fleet = compose_config("--profile", "fleet")
+    sims = {"sim-0", "sim-1", "sim-2"}
+    assert set(fleet["services"]) == set(default["services"]) | sims | {"infertap-fleet", "fleet-traffic"}
+    for name in sims:
+        cmd = fleet["services"][name]["command"]
+        assert cmd[:5] == ["sim", "--host", "0.0.0.0", "--port", "8000"], name
+        assert "healthcheck" in fleet["services"][name], name
+        assert ("--slowdown" in cmd) == (name == "sim-2"), name  # one sick GPU
+    proxy = fleet["services"]["infertap-fleet"]
+    (mount,) = proxy["volumes"]
+    assert mount["source"] == str(ROOT / "deploy" / "compose" / "fleet.toml")
+    assert proxy["command"] == ["serve", "--config", mount["target"]]
+    assert set(proxy["depends_on"]) >= sims
+    config = tomllib.loads((ROOT / "deploy" / "compose" / "fleet.toml").read_text())
+    (pool,) = config["upstreams"]
+    assert pool["replicas"] == [f"http://{s}:8000/v1" for s in sorted(sims)]
+    assert pool["balance"] in ("least_request", "round_robin", "prefix_affinity")
+    # Listening on 0.0.0.0 in its container without client keys: said so, because it relays only to
+    # the simulated replicas (see the comment in the file).
+    assert config["server"]["host"] == "0.0.0.0" and config["auth"] == {"open": True}
+    traffic = fleet["services"]["fleet-traffic"]
+    assert traffic["entrypoint"] == ["python", "-m", "proxy.tools.bench.fleet_load"]
+    assert "http://infertap-fleet:8080/v1" in traffic["command"]
+    prom = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
+    assert "infertap-fleet" in jobs["infertap"]["dns_sd_configs"][0]["names"]
+    assert sims <= set(jobs["engine"]["dns_sd_configs"][0]["names"])
+
+
 def test_every_port_is_published_on_loopback_only() -> None:
     """Docker's port rules bypass host firewalls: 8080 on all interfaces relays the API key."""
-    gpu = compose_config("--profile", "gpu")
+    gpu = compose_config("--profile", "gpu", "--profile", "fleet")
     published = [(name, p) for name, svc in gpu["services"].items() for p in svc.get("ports", [])]
     assert len(published) >= 6
     for name, port in published:

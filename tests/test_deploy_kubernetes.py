@@ -151,7 +151,7 @@ def test_prometheusrule_is_the_same_rules_and_valid(
 ) -> None:
     (rule,) = by_kind(rendered[1], "PrometheusRule")
     groups = []
-    for f in ("infertap-recording.yml", "infertap-alerts.yml", "infertap-spend.yml"):
+    for f in ("infertap-recording.yml", "infertap-alerts.yml", "infertap-spend.yml", "infertap-fleet.yml"):
         groups += yaml.safe_load((ROOT / "deploy/prometheus/rules" / f).read_text())["groups"]
     assert rule["spec"]["groups"] == groups
     out = tmp_path / "rules.yml"
@@ -195,3 +195,78 @@ def test_image_is_a_real_reference_at_this_version() -> None:
     (image,) = yaml.safe_load((K8S / "kustomization.yaml").read_text())["images"]
     assert "example" not in image["newName"] and "/" in image["newName"]
     assert image["newTag"] == __version__
+
+
+POOL = ROOT / "deploy" / "vllm-pool"
+
+
+@pytest.fixture(scope="module")
+def pool_rendered(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    r = subprocess.run([tool("kubectl"), "kustomize", str(POOL)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    path = tmp_path_factory.mktemp("k8s-pool") / "rendered.yaml"
+    path.write_text(r.stdout)
+    return path, [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def test_pool_example_is_valid(pool_rendered: tuple[Path, list[dict[str, Any]]]) -> None:
+    r = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", str(pool_rendered[0])],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "ERROR" not in out, out
+    assert out.count(" passed for resource ") == len(pool_rendered[1]) - 2, out
+
+
+def test_pool_example_headless_service_names_the_ready_vllm_pods_infertap_resolves(
+    pool_rendered: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """The pool's `dns://NAME:PORT/v1` is the headless Service of the vLLM Deployment: one A record
+    per ready pod (no kube-proxy in between), on the port vLLM listens on."""
+    docs = pool_rendered[1]
+    (vllm,) = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] == "vllm"]
+    (svc,) = [d for d in by_kind(docs, "Service") if d["metadata"]["name"] == "vllm"]
+    ns = vllm["metadata"]["namespace"]
+    assert svc["metadata"]["namespace"] == ns != "infertap"
+    assert svc["spec"]["clusterIP"] == "None"
+    pod = vllm["spec"]["template"]
+    assert all(pod["metadata"]["labels"].get(k) == v for k, v in svc["spec"]["selector"].items())
+    (c,) = pod["spec"]["containers"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"  # DNS lists ready pods only
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    (port,) = svc["spec"]["ports"]
+    assert port["targetPort"] == c["ports"][0]["name"] and c["ports"][0]["containerPort"] == 8000
+    # The base's ConfigMap, replaced: the one the infertap Deployment mounts holds the pool.
+    (infertap,) = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] == "infertap"]
+    mounted = {
+        v["configMap"]["name"] for v in infertap["spec"]["template"]["spec"]["volumes"] if "configMap" in v
+    }
+    (cm,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"] in mounted]
+    config = tomllib.loads(cm["data"]["config.toml"])
+    (pool,) = [u for u in config["upstreams"] if "replicas" in u]
+    assert "base_url" not in pool
+    assert pool["replicas"] == [f"dns://{svc['metadata']['name']}.{ns}.svc.cluster.local:{port['port']}/v1"]
+    # Otherwise the base's config: drain timings and the other upstream unchanged.
+    base = tomllib.loads((K8S / "config.toml").read_text())
+    assert config["server"] == base["server"]
+    assert [u for u in config["upstreams"] if u["name"] != pool["name"]] == [
+        u for u in base["upstreams"] if u["name"] != pool["name"]
+    ]
+
+
+@pytest.mark.parametrize(
+    "path", [POOL / "config.toml", ROOT / "deploy" / "compose" / "fleet.toml"], ids=lambda p: p.parent.name
+)
+def test_pool_configs_load(path: Path) -> None:
+    """The pool examples (Kubernetes `dns://`, compose's three sims) are configs infertap accepts."""
+    from proxy.settings import load_settings
+    from proxy.settings.upstreams import UpstreamSettings
+
+    if "replicas" not in UpstreamSettings.model_fields:
+        pytest.skip("this infertap has no replica pools yet (issue 26's proxy side, branch pools)")
+    settings = load_settings(path)
+    (pool,) = [u for u in settings.upstreams if getattr(u, "replicas", None)]
+    assert pool.balance in ("least_request", "round_robin", "prefix_affinity")

@@ -183,3 +183,27 @@ def test_generate_writes_a_copy_with_another_runbook_base_or_at_a_time_scale(tmp
     assert gen.scale_expr("rate(x[1h:5m] offset 1d)", 60) == "rate(x[1m:5s] offset 24m)"
     with pytest.raises(SystemExit):
         gen.main(["--time-scale", "10"])  # a scaled copy never overwrites the shipped rules
+
+
+def test_fleet_alert_has_a_runbook_a_ticket_severity_and_a_firing_test() -> None:
+    """InfertapReplicaSlow lives in its own file (its recording rules and tests with it): the same
+    conventions as infertap-alerts.yml, and each of its alerts fires in fleet.test.yml."""
+    groups = yaml.safe_load((RULES / "infertap-fleet.yml").read_text())["groups"]
+    rules = [r for g in groups for r in g["rules"] if "alert" in r]
+    assert [r["alert"] for r in rules] == ["InfertapReplicaSlow"]
+    anchors = github_anchors(DOCS.read_text())
+    base = load_generate().DEFAULT_RUNBOOK_BASE
+    for a in rules:
+        ann = a["annotations"]
+        page, _, anchor = ann["runbook_url"].partition("#")
+        assert page == base and anchor in anchors, a["alert"]
+        assert ann["summary"] and ann["description"] and "$value" not in str(ann), a["alert"]
+        # One sick replica of several: the others serve and the balancer avoids it; a ticket.
+        assert a["labels"]["severity"] == "warning", a["alert"]
+    doc = yaml.safe_load((RULE_TESTS / "fleet.test.yml").read_text())
+    fired = {t["alertname"] for test in doc["tests"] for t in test["alert_rule_test"] if t["exp_alerts"]}
+    assert fired == {a["alert"] for a in rules}
+    silent = [
+        test["name"] for test in doc["tests"] if not any(t["exp_alerts"] for t in test["alert_rule_test"])
+    ]
+    assert len(silent) >= 3, "the whole pool slow, low traffic and the floor stay silent"

@@ -737,3 +737,20 @@ def test_cli_prints_the_ready_line_with_the_real_port() -> None:
         finally:
             child.terminate()
             child.wait(timeout=10)
+
+
+def test_slowdown_multiplies_every_step_cost_and_is_refused_when_not_positive() -> None:
+    """One replica of a simulated fleet on a slower GPU (the bench's skew workload): `--slowdown X`
+    scales prefill and decode alike, and the fixed timings where set, nothing else."""
+    from proxy.sim.cli import build_parser, resolve_config
+    from proxy.sim.config import STEP_COSTS
+
+    base = resolve_config(build_parser().parse_args(["--tpot-ms", "4"]))
+    slow = resolve_config(build_parser().parse_args(["--tpot-ms", "4", "--slowdown", "2.5"]))
+    for key in STEP_COSTS:
+        assert getattr(slow.sim, key) == pytest.approx(2.5 * getattr(base.sim, key)), key
+    assert slow.sim.fixed_tpot_ms == 10.0 and slow.sim.fixed_ttft_ms is None
+    assert slow.kv_cache == base.kv_cache and slow.batching == base.batching
+    with pytest.raises(SimConfigError, match="slowdown"):
+        resolve_config(build_parser().parse_args(["--slowdown", "0"]))
+    assert sim_main(["--slowdown", "-1"]) == 2

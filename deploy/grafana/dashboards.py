@@ -925,9 +925,164 @@ def usage_spend() -> dict[str, Any]:
     )
 
 
+# A pool's replicas (issue 26): the replica series carry upstream and replica, not model (a pool is
+# one upstream); a quantile keeps replicas apart, as the others keep models apart.
+REPLICA_TTFT_P95 = hq(0.95, "infertap_replica_time_to_first_token_seconds", UP, "upstream, replica")
+PER_REPLICA_RPS = f"sum by (upstream, replica) (rate(infertap_replica_requests_total{{{UP}}}[{RI}]))"
+
+
+def fleet() -> dict[str, Any]:
+    decisions = "infertap_balance_decisions_total"
+    chosen = f'{decisions}{{{UP},policy="prefix_affinity",reason!="retry"}}'
+    hits = f'{decisions}{{{UP},policy="prefix_affinity",reason="affinity_hit"}}'
+    return dashboard(
+        "infertap-fleet",
+        "infertap / Fleet",
+        "A pool of replicas behind one upstream (`replicas = [...]` or `dns://`): how the load "
+        "spreads, which replica is slow, which is ejected, and whether prefix affinity keeps "
+        "conversations where their KV cache is. Engine series use the model_name and instance variables.",
+        [
+            row("Load per replica"),
+            ts(
+                "Requests/s per replica",
+                [q(PER_REPLICA_RPS, "{{upstream}} {{replica}}")],
+                "reqps",
+                "Requests each replica was sent (every outcome). An even spread is the balancer's job; "
+                "prefix_affinity trades a little evenness for cache hits, within balance_load_factor.",
+            ),
+            ts(
+                "In-flight requests per replica",
+                [
+                    q(
+                        f"sum by (upstream, replica) (infertap_replica_in_flight_requests{{{UP}}})",
+                        "{{upstream}} {{replica}}",
+                    )
+                ],
+                "short",
+                "Requests open on each replica now: what least_request balances. One replica holding "
+                "far more than the others is slow, or favoured by affinity beyond the load bound.",
+            ),
+            ts(
+                "Load imbalance: busiest replica / pool mean",
+                [
+                    q(
+                        f"max by (upstream) ({PER_REPLICA_RPS}) / avg by (upstream) ({PER_REPLICA_RPS})",
+                        "{{upstream}}",
+                    )
+                ],
+                "short",
+                "1 is perfectly even. Above 1 + balance_load_factor for long: the bound is not holding, "
+                "or one replica gets the retries of the others.",
+                w=24,
+            ),
+            row("Latency per replica"),
+            ts(
+                "TTFT p95 per replica vs the pool's median",
+                [
+                    q(REPLICA_TTFT_P95, "{{upstream}} {{replica}}"),
+                    q(f"quantile by (upstream) (0.5, {REPLICA_TTFT_P95})", "{{upstream}} pool median"),
+                ],
+                "s",
+                "Each replica's TTFT p95 against the median of its pool's replicas. A single replica far "
+                "above its pool is a sick GPU or a noisy neighbour, which a whole-model TTFT averages "
+                "away (alert InfertapReplicaSlow).",
+            ),
+            ts(
+                "TTFT p95 per replica / pool median",
+                [
+                    q(
+                        f"{REPLICA_TTFT_P95} / on (upstream) group_left "
+                        f"quantile by (upstream) (0.5, {REPLICA_TTFT_P95})",
+                        "{{upstream}} {{replica}}",
+                    )
+                ],
+                "short",
+                "What InfertapReplicaSlow watches: above 2 for 10 minutes with traffic pages the owner "
+                "of that replica, not of the model.",
+            ),
+            row("Ejections"),
+            ts(
+                "Replicas admitted per pool",
+                [
+                    q(f"sum by (upstream) (infertap_replica_up{{{UP}}})", "{{upstream}} admitted"),
+                    q(f"count by (upstream) (infertap_replica_up{{{UP}}})", "{{upstream}} known"),
+                ],
+                "short",
+                "Admitted: replicas that get new requests. Known minus admitted: ejected by their "
+                "circuit (errors, stalls) or draining (gone from DNS, or removed by a reload).",
+            ),
+            ts(
+                "Ejected or draining replicas",
+                [q(f"1 - infertap_replica_up{{{UP}}} > 0", "{{upstream}} {{replica}}")],
+                "short",
+                "1 while a replica is out of its pool's rotation. Readmitted after its circuit's "
+                "cool-down when a trial request succeeds.",
+            ),
+            ts(
+                "Failed requests/s per replica",
+                [
+                    q(
+                        "sum by (upstream, replica, outcome) "
+                        f'(rate(infertap_replica_requests_total{{{UP},outcome!="ok"}}[{RI}]))',
+                        "{{upstream}} {{replica}} {{outcome}}",
+                    )
+                ],
+                "reqps",
+                "What ejects a replica. A request retried on another replica counts here once for the "
+                "replica that failed it.",
+                w=24,
+            ),
+            row("Prefix affinity and the engines' cache"),
+            ts(
+                "Affinity hit rate",
+                [
+                    q(
+                        f"sum by (upstream) (rate({hits}[{RI}])) / sum by (upstream) (rate({chosen}[{RI}]))",
+                        "{{upstream}}",
+                    )
+                ],
+                "percentunit",
+                "Share of prefix_affinity's choices that went to the conversation's own replica (not "
+                "spilled for load, not moved off an ejected one). Read it beside the engines' hit rate: "
+                "affinity high and engine hits low means the engines evict (too little KV cache).",
+            ),
+            ts(
+                "Engine prefix cache hit rate per instance",
+                [
+                    q(
+                        f"sum by (instance) (rate(vllm:prefix_cache_hits_total{{{ENG}}}[{RI}])) / "
+                        f"sum by (instance) (rate(vllm:prefix_cache_queries_total{{{ENG}}}[{RI}]))",
+                        "{{instance}}",
+                    )
+                ],
+                "percentunit",
+                "Share of prompt tokens each engine served from its prefix cache (vLLM's own counters, "
+                "and the simulated engine's). What affinity is for: round robin spreads a conversation "
+                "over every replica, and each pays the whole prefill again.",
+            ),
+            ts(
+                "Balance decisions/s by reason",
+                [
+                    q(
+                        f"sum by (upstream, policy, reason) (rate({decisions}{{{UP}}}[{RI}]))",
+                        "{{upstream}} {{policy}} {{reason}}",
+                    )
+                ],
+                "reqps",
+                "Why each replica was chosen: affinity_hit, spilled (its replica above the load bound), "
+                "ejected (its replica out), least_request, round_robin, retry (after a failure before "
+                "the first token).",
+                w=24,
+            ),
+        ],
+        engine=True,
+    )
+
+
 DASHBOARDS = {
     "infertap-overview.json": overview,
     "infertap-prefill-decode.json": prefill_decode,
     "infertap-engine.json": engine,
     "infertap-usage-spend.json": usage_spend,
+    "infertap-fleet.json": fleet,
 }

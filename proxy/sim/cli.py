@@ -14,7 +14,7 @@ import uvicorn
 
 from proxy.sim.admin import install_sighup
 from proxy.sim.app import create_sim_app
-from proxy.sim.config import SimConfig, SimConfigError, load_sim_config, with_overrides
+from proxy.sim.config import SimConfig, SimConfigError, load_sim_config, slowed, with_overrides
 
 # `infertap serve` parses this line (with the real port) from the child's stdout: keep it exact.
 READY = "infertap-sim listening on http://{host}:{port}/v1"
@@ -89,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="answer any model name instead of 404 model_not_found ([sim] accept_any_model)",
     )
+    p.add_argument(
+        "--slowdown",
+        type=float,
+        metavar="X",
+        help="multiply every step cost of [sim] (prefill and decode) by X: one replica of a fleet on "
+        "a slower or sick GPU (2 = twice as slow)",
+    )
     # For `infertap serve`, which holds the other end of our stdin: stop when it goes away.
     p.add_argument("--exit-with-stdin", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -114,7 +121,10 @@ def resolve_config(args: argparse.Namespace) -> SimConfig:
         overrides["sim"]["served_model_names"] = args.model[1:]
     if args.accept_any_model:
         overrides["sim"]["accept_any_model"] = True
-    return with_overrides(config, overrides)
+    config = with_overrides(config, overrides)
+    if args.slowdown is not None:
+        config = slowed(config, args.slowdown)
+    return config
 
 
 def _url_host(sock: socket.socket) -> str:

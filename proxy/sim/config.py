@@ -161,3 +161,26 @@ def with_overrides(config: SimConfig, overrides: dict[str, dict[str, Any]]) -> S
     for section, values in overrides.items():
         data[section].update(values)
     return sim_config_from_dict(data)
+
+
+# The step costs of [sim]: what a slower GPU multiplies.
+STEP_COSTS = (
+    "prefill_base_ms",
+    "prefill_ms_per_token",
+    "decode_step_ms",
+    "decode_ms_per_running_seq",
+    "no_kv_cache_ms_per_context_token",
+)
+
+
+def slowed(config: SimConfig, factor: float) -> SimConfig:
+    """A copy whose prefill and decode steps (and fixed timings, where set) take `factor` times as
+    long: one replica of a simulated fleet on a slower or sick GPU."""
+    if not factor > 0:
+        raise SimConfigError(f"slowdown: must be a positive factor (got {factor!r})")
+    sim = config.sim
+    change: dict[str, Any] = {k: getattr(sim, k) * factor for k in STEP_COSTS}
+    for k in ("fixed_ttft_ms", "fixed_tpot_ms"):
+        if getattr(sim, k) is not None:
+            change[k] = getattr(sim, k) * factor
+    return with_overrides(config, {"sim": change})

@@ -27,13 +27,16 @@ from typing import Any
 
 from proxy import __version__
 from proxy.server.os_limits import raise_nofile
+from proxy.tools.bench.fleet import fleet_targets, run_fleet
 from proxy.tools.bench.nginx import INSTALL_HINT, find_nginx
 from proxy.tools.bench.processes import BenchError, affinity, open_files_limit
-from proxy.tools.bench.report import NGINX
+from proxy.tools.bench.report import NGINX, VLLM_ROUTER
 from proxy.tools.bench.runner import Bench, log
 from proxy.tools.bench.scenarios import POISSON_RATES, PROXY, Scenario, scenarios
 from proxy.tools.bench.tables import render
 from proxy.tools.bench.targets import targets
+from proxy.tools.bench.vllm_router import INSTALL_HINT as VLLM_ROUTER_HINT
+from proxy.tools.bench.vllm_router import find_vllm_router
 
 
 def _machine(bench: Bench, nofile: tuple[int, int]) -> dict[str, Any]:
@@ -65,8 +68,12 @@ def _machine(bench: Bench, nofile: tuple[int, int]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    names = [s.name for s in scenarios(False)]
+    names = [s.name for s in scenarios(False)] + ["fleet"]
     listing = "\n".join(f"  {s.name:<11} {s.title}" for s in scenarios(False))
+    listing += (
+        "\n  fleet       N simulated engines behind each balancing policy (multi-turn chat, one slow "
+        "replica):\n              run only when named (--scenario fleet)"
+    )
     p = argparse.ArgumentParser(
         prog="infertap bench",
         description=__doc__,
@@ -75,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  infertap bench --scenario throughput --json bench.json\n  infertap bench --markdown\n"
         "  infertap bench --scenario poisson --rate 60 --rounds 5\n\n"
         f"nginx: where it is installed, every scenario runs it too ({INSTALL_HINT}).\n"
+        f"vllm-router: likewise, beside nginx ({VLLM_ROUTER_HINT}).\n"
         "Exit status: 0 when every request succeeded (targets missed or not), 1 when some failed,\n"
         "2 when the bench could not run. See docs/benchmarks.md.",
     )
@@ -91,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--no-nginx", action="store_true", help="skip the nginx reference row even where nginx is installed"
+    )
+    p.add_argument(
+        "--no-vllm-router", action="store_true",
+        help="skip the vllm-router reference rows even where vllm-router is installed",
+    )  # fmt: skip
+    p.add_argument(
+        "--replicas", type=int, default=4, metavar="N", help="--scenario fleet: simulated engines (default 4)"
     )
     p.add_argument("--json", metavar="FILE", help="write every number to FILE")
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
@@ -123,6 +138,15 @@ def main(argv: list[str]) -> int:
             Scenario(s.name, s.title, tuple(t for t in s.targets if t != NGINX), s.phases, s.rounds)
             for s in chosen
         ]
+    router = None if args.no_vllm_router else find_vllm_router()
+    if router is None:
+        router_why = (
+            "--no-vllm-router" if args.no_vllm_router else f"vllm-router is not installed: {VLLM_ROUTER_HINT}"
+        )
+        chosen = [
+            Scenario(s.name, s.title, tuple(t for t in s.targets if t != VLLM_ROUTER), s.phases, s.rounds)
+            for s in chosen
+        ]
     # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the processes the bench started stop too.
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupted)
@@ -130,13 +154,23 @@ def main(argv: list[str]) -> int:
     # 1,000 held streams are ~2,000 sockets in the load generator and the upstream too; they
     # inherit this raised limit (and raise their own). infertap starts with the limit as it was.
     now = raise_nofile()
-    bench = Bench(args.quick, nofile=before, nginx=nginx)
+    want_fleet = bool(args.scenario) and "fleet" in args.scenario
+    bench = Bench(args.quick, nofile=before, nginx=nginx, vllm_router=router)
     if nginx is None:
         bench.notes.append(f"no nginx row ({why})")
+    if router is None:
+        bench.notes.append(f"no vllm-router row ({router_why})")
     started = time.perf_counter()
     try:
-        bench.start({t for s in chosen for t in s.targets})
-        results = {s.name: bench.scenario(s) for s in chosen}
+        results: dict[str, Any] = {}
+        if chosen:
+            bench.start({t for s in chosen for t in s.targets})
+            results = {s.name: bench.scenario(s) for s in chosen}
+        if want_fleet:
+            if not chosen:  # the fleet's processes are not pinned: the report must not say so
+                bench.harness_cpu = bench.proxy_cpu = None
+            rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
+            results["fleet"] = run_fleet(args.replicas, args.quick, rounds, router, log)
         machine = _machine(bench, (before, now))
     except BenchError as e:
         print(f"infertap bench: {e}", file=sys.stderr)
@@ -147,7 +181,7 @@ def main(argv: list[str]) -> int:
         bench.close()
     checks = [
         t.judge({(r["phase"], r["target"]): r for r in results[t.scenario]["rows"]})
-        for t in targets()
+        for t in targets() + fleet_targets()
         if t.scenario in results
     ]
     report = {

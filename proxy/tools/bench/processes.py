@@ -278,13 +278,16 @@ class Infertap:
         flush_ms: int = 0,
         nofile: int | None = None,
         extra_env: dict[str, str] | None = None,
+        config: str | None = None,
     ):
+        """`config`: a config.toml that names the upstreams (the fleet's pool) instead of `upstream_url`."""
         self.label = label
         self.port = free_port()
-        cmd = [
-            sys.executable, "-m", "proxy", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-            "--upstream", f"bench={upstream_url}/v1", "--forward-header", "x-bench-*",
-        ]  # fmt: skip
+        cmd = [sys.executable, "-m", "proxy", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        if config is None:
+            cmd += ["--upstream", f"bench={upstream_url}/v1", "--forward-header", "x-bench-*"]
+        else:
+            cmd += ["--config", config]
         if workers > 1:
             cmd += ["--workers", str(workers)]
         # Hermetic: the caller's INFERTAP_* or OTEL_* settings (a config file, client keys, an OTLP

@@ -21,6 +21,7 @@ from proxy.tools.probe.stats import percentile
 
 DIRECT = "direct"
 NGINX = "nginx"
+VLLM_ROUTER = "vllm-router"  # vLLM's own router, round_robin to the one upstream
 
 
 @dataclass

@@ -26,7 +26,7 @@ from proxy.tools.bench.processes import (
     reset_peak_rss,
     status_mb,
 )
-from proxy.tools.bench.report import DIRECT, NGINX, Acc, make_row, median_row
+from proxy.tools.bench.report import DIRECT, NGINX, VLLM_ROUTER, Acc, make_row, median_row
 from proxy.tools.bench.scenarios import (
     BENCH_KEY,
     DEAD_COLLECTOR,
@@ -41,6 +41,7 @@ from proxy.tools.bench.scenarios import (
     Phase,
     Scenario,
 )
+from proxy.tools.bench.vllm_router import VllmRouter
 
 _T0 = time.perf_counter()
 
@@ -52,9 +53,12 @@ def log(msg: str) -> None:
 class Bench:
     """The processes of one run, started once, and the scenarios run against them in rounds."""
 
-    def __init__(self, quick: bool, nofile: int | None = None, nginx: str | None = None) -> None:
+    def __init__(
+        self, quick: bool, nofile: int | None = None, nginx: str | None = None, vllm_router: str | None = None
+    ) -> None:
         self.quick = quick
         self.nginx = nginx  # nginx's executable; None: no nginx row
+        self.vllm_router = vllm_router  # vllm-router's executable; None: no vllm-router row
         self.nofile = nofile  # the soft open-file limit infertap starts with, as a user's would
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         # Core 0: upstream + load generator; core 1: infertap. One core: nothing to separate.
@@ -67,7 +71,7 @@ class Bench:
             )
         self.upstream: Upstream | None = None
         self.loadgen: LoadGenerator | None = None
-        self.proxies: dict[str, Infertap | Nginx] = {}
+        self.proxies: dict[str, Infertap | Nginx | VllmRouter] = {}
 
     # --- processes ---
 
@@ -80,9 +84,12 @@ class Bench:
             log(f"starting {name}")
             if name == NGINX:
                 assert self.nginx is not None
-                proxy: Infertap | Nginx = Nginx(
+                proxy: Infertap | Nginx | VllmRouter = Nginx(
                     name, self.nginx, self.upstream.port, self.proxy_cpu, self.nofile
                 )
+            elif name == VLLM_ROUTER:
+                assert self.vllm_router is not None
+                proxy = VllmRouter(name, self.vllm_router, [url], "round_robin", self.proxy_cpu, self.nofile)
             elif name == TRACED:
                 flush_ms = int(TRACE_FLUSH_S * 1000)
                 proxy = Infertap(
@@ -279,6 +286,8 @@ class Bench:
                 notes.append("tracing: no spans arrived at the sink; is the OTLP exporter installed?")
         if NGINX in sc.targets:
             notes.append("nginx: proxy_buffering off, one worker on infertap's core, upstream keep-alive")
+        if VLLM_ROUTER in sc.targets:
+            notes.append("vllm-router: round_robin to the one upstream, retries off, on infertap's core")
         if WORKERS in sc.targets:
             notes.append("--workers 2 is not pinned: its workers share both cores with the harness")
         return {"title": sc.title, "rows": rows, "notes": notes}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from proxy.tools.bench.report import DIRECT, NGINX
+from proxy.tools.bench.report import DIRECT, NGINX, VLLM_ROUTER
 
 PROXY, TRACED, WORKERS = "infertap", "infertap+tracing", "infertap --workers 2"
 # Tracing to an OTLP endpoint where nothing listens: requests must not notice.
@@ -89,25 +89,25 @@ def scenarios(
         Scenario(
             "overhead",
             "sequential zero-delay 100-token streams: per-request overhead",
-            (DIRECT, NGINX, PROXY),
+            (DIRECT, NGINX, VLLM_ROUTER, PROXY),
             (Phase("c=1", True, 1, n(300, 20)),),
         ),
         Scenario(
             "realistic",
             "TTFT 50 ms, tokens 10 ms apart: added TTFT and inter-token gaps",
-            (DIRECT, NGINX, PROXY),
+            (DIRECT, NGINX, VLLM_ROUTER, PROXY),
             (realistic(1, n(15, 2)), realistic(16, n(48, 16)), realistic(64, n(192, 64))),
         ),
         Scenario(
             "poisson",
             "open loop: streams arriving at random (Poisson) at a fixed rate, TTFT 50 ms, tokens 10 ms apart",
-            (DIRECT, NGINX, PROXY),
+            (DIRECT, NGINX, VLLM_ROUTER, PROXY),
             tuple(poisson(r) for r in rates),
         ),
         Scenario(
             "throughput",
             "zero-delay streams and non-streaming requests at c=64",
-            (DIRECT, NGINX, PROXY),
+            (DIRECT, NGINX, VLLM_ROUTER, PROXY),
             (zero_delay, Phase("non-stream c=64", False, 64, n(6000, 128))),
         ),
         Scenario(

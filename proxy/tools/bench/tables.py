@@ -60,13 +60,37 @@ def _cells(row: dict[str, Any]) -> list[str]:
     ]
 
 
-def _table(rows: list[list[str]], markdown: bool) -> list[str]:
+_FLEET_COLUMNS = [
+    "workload", "target", "ok/req", "err", "prefix-cache hit rate", "hit range", "TTFT p50/p95/p99",
+    "p50 range", "load max/mean", "requests per replica",
+]  # fmt: skip
+
+
+def _fleet_cells(row: dict[str, Any]) -> list[str]:
+    t = row["ttft_ms"]
+    spread = row.get("spread", {}) if row.get("rounds", 1) > 1 else {}
+    hits, p50 = spread.get("hit_rate"), spread.get("ttft_p50")
+    return [
+        row["phase"],
+        row["target"],
+        f"{row['ok']}/{row['requests']}",
+        str(row["errors"]),
+        _num(row["hit_rate"], "{:.2f}"),
+        "-" if not hits else f"{hits[0]:.2f}..{hits[1]:.2f}",
+        "-" if not t else f"{t['p50']:.0f}/{t['p95']:.0f}/{t['p99']:.0f}",
+        "-" if not p50 else f"{p50[0]:.0f}..{p50[1]:.0f}",
+        _num(row["load_max_over_mean"], "{:.2f}"),
+        " ".join(_num(v) for v in row["load"]),
+    ]
+
+
+def _table(rows: list[list[str]], markdown: bool, columns: list[str] = _COLUMNS) -> list[str]:
     if markdown:
-        out = ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+        out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         return out + ["| " + " | ".join(r) + " |" for r in rows]
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(_COLUMNS)]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return [fmt.format(*_COLUMNS), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
+    return [fmt.format(*columns), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
 
 
 def _verdict(check: dict[str, Any]) -> str:
@@ -88,7 +112,10 @@ def render(report: dict[str, Any], markdown: bool) -> str:
     h = "### " if markdown else "== "
     for name, sc in report["scenarios"].items():
         lines += [f"{h}{name}: {sc['title']}", ""]
-        lines += _table([_cells(r) for r in sc["rows"]], markdown)
+        if sc.get("kind") == "fleet":
+            lines += _table([_fleet_cells(r) for r in sc["rows"]], markdown, _FLEET_COLUMNS)
+        else:
+            lines += _table([_cells(r) for r in sc["rows"]], markdown)
         if sc["notes"] and markdown:
             lines.append("")  # a list right under a table would not end it everywhere
         for note in sc["notes"]:
@@ -101,6 +128,13 @@ def render(report: dict[str, Any], markdown: bool) -> str:
             bullet = "- " if markdown else "  "
             lines.append(f"{bullet}{_verdict(c)}  {c['name']}: {v} (target {c['target']})")
         lines.append("")
+    if any(sc.get("kind") == "fleet" for sc in report["scenarios"].values()):
+        lines.append(
+            "fleet: hit rate = the sims' vllm:prefix_cache_hits_total / queries_total over the row's run; "
+            "TTFT in ms at the client; load = requests each sim finished, max / mean; medians over rounds."
+        )
+    if all(sc.get("kind") == "fleet" for sc in report["scenarios"].values()):
+        return "\n".join(lines + [f"{'- ' if markdown else 'note: '}{n}" for n in report["machine"]["notes"]])
     lines.append(
         "Times in ms; +X is the proxy minus direct, quantile by quantile; gap = inter-token gap at the "
         "client; x direct, x nginx = req/s ratios; CPU = the proxy's utime+stime per completed request; "

@@ -200,6 +200,8 @@ class Connection(asyncio.Protocol):
             self._chat(headers, body)
         elif method == "GET" and path == "/v1/models":
             self.transport.write(MODELS)
+        elif method == "GET" and path == "/health":  # what vllm-router polls before it routes
+            self.transport.write(_response("200 OK", b""))
         elif method == "POST" and path == "/v1/traces":
             self.stats.trace_posts += 1
             self.stats.trace_bytes += len(body)
