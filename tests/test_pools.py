@@ -291,7 +291,7 @@ def test_a_reload_changes_the_pool_and_a_stream_in_flight_finishes_on_its_replic
             first = threading.Event()
 
             def slow() -> None:  # round robin: the first request goes to a
-                headers = {"x-fake-events": "20", "x-fake-gap-ms": "20"}
+                headers = {"x-fake-events": "20", "x-fake-gate": "reloaded"}
                 with client.stream("POST", f"{proxy}/v1/chat/completions", json=STREAM, headers=headers) as r:
                     for chunk in r.iter_bytes():
                         got.append(chunk)
@@ -305,6 +305,7 @@ def test_a_reload_changes_the_pool_and_a_stream_in_flight_finishes_on_its_replic
             assert r.status_code == 200
             states = {row["address"]: (row["state"], row["in_flight"]) for row in replica_rows(proxy)}
             assert states[a_url] == ("draining", 1)
+            a.open_gate("reloaded")
             for _ in range(4):
                 assert post(proxy, CHAT).status_code == 200
             t.join()

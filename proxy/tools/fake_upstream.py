@@ -22,6 +22,8 @@ upstream behaviour while the same server instance records what it received and s
   x-fake-reasoning: R       R `reasoning_content` events before the content (a reasoning model);
                             usage counts them in completion tokens and in reasoning_tokens
   x-fake-answer-ms: A       delay between the last reasoning event and the first content event
+  x-fake-gate: NAME         after the first content event, wait until the test calls open_gate(NAME)
+                            (a stream held in flight for as long as a test needs, with no sleep)
 """
 
 from __future__ import annotations
@@ -87,6 +89,16 @@ class FakeUpstream:
     arrivals: list[float] = field(default_factory=list)
     failures_left: dict[str, int] = field(default_factory=dict)
     checks: list[Received] = field(default_factory=list)  # infertap's background GET /models
+    gates: dict[str, threading.Event] = field(default_factory=dict)
+
+    def open_gate(self, name: str) -> None:
+        """Lets the streams held by `x-fake-gate: NAME` go on (from any thread)."""
+        self.gates.setdefault(name, threading.Event()).set()
+
+    async def _pass_gate(self, name: str) -> None:
+        gate = self.gates.setdefault(name, threading.Event())
+        while not gate.is_set():  # a thread's Event, polled: tests open it from their own thread
+            await asyncio.sleep(0.01)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -267,6 +279,8 @@ class FakeUpstream:
                 await emit(_chunk("chatcmpl-fake", model, {"content": f"tok{i} {pad}"}, usage=usage))
             if hang == "after-first":
                 await asyncio.Event().wait()
+            if i == 0 and "x-fake-gate" in h:
+                await self._pass_gate(h["x-fake-gate"])
         await emit(_chunk("chatcmpl-fake", model, {}, finish="stop", usage=usage))
         if usage:
             obj = {
