@@ -58,6 +58,7 @@ class RawCycle:
         "_size",
         "_ready",
         "_waiters",
+        "_head",
     )
 
     def __init__(self, protocol: HttpToolsProtocol, scope: Any, keep_alive: bool, expect_100: bool) -> None:
@@ -78,6 +79,7 @@ class RawCycle:
         self._size = 0
         self._ready = False  # uvicorn's message_event, set
         self._waiters: list[asyncio.Future[None]] | None = None
+        self._head: bytes | None = None  # written with the first body chunk, or at the loop's next turn
 
     # -- from the protocol's parser callbacks ---------------------------------------------------
     def body_received(self, body: bytes) -> None:
@@ -199,24 +201,39 @@ class RawCycle:
             self.chunked = True
             content.append(b"transfer-encoding: chunked\r\n")
         content.append(b"\r\n")
-        self.transport.write(b"".join(content))
+        # One write (one send(2)) for the head and the body that follows in the same step (a whole
+        # answer, a stream's first events); a head alone (a stream opened early) goes at the next turn.
+        self._head = b"".join(content)
+        protocol.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        head = self._head
+        if head is not None:
+            self._head = None
+            if not self.transport.is_closing():
+                self.transport.write(head)
 
     def write(self, body: bytes, more_body: bool) -> None:
         """One body chunk, one `transport.write`; the last one completes the answer."""
         if self.scope["method"] == "HEAD":
             self.remaining = 0
+            data = b""
         elif self.chunked:
             if body:
-                data = b"%x\r\n%b\r\n" % (len(body), body)
-                self.transport.write(data + _LAST_CHUNK if not more_body else data)
-            elif not more_body:
-                self.transport.write(_LAST_CHUNK)
+                data = (b"%x\r\n%b\r\n" if more_body else b"%x\r\n%b\r\n0\r\n\r\n") % (len(body), body)
+            else:
+                data = b"" if more_body else _LAST_CHUNK
         else:
             if len(body) > self.remaining:
                 raise RuntimeError("Response content longer than Content-Length")
             self.remaining -= len(body)
-            if body:
-                self.transport.write(body)
+            data = body
+        head = self._head
+        if head is not None:
+            self._head = None
+            data = head + data
+        if data:
+            self.transport.write(data)
         if not more_body:
             if self.remaining != 0:
                 raise RuntimeError("Response content shorter than Content-Length")
@@ -237,6 +254,7 @@ class RawCycle:
             if not self.response_started:
                 await self._send_500()
             else:
+                self._flush()
                 self.transport.close()
         else:
             if not self.response_started and not self.disconnected:
@@ -244,6 +262,7 @@ class RawCycle:
                 await self._send_500()
             elif not self.response_complete and not self.disconnected:
                 logger.error("ASGI callable returned without completing response.")
+                self._flush()
                 self.transport.close()
         finally:
             self.on_response = _nothing
