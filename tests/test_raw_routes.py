@@ -195,6 +195,22 @@ def test_an_http_1_0_client_gets_its_answer_and_the_connection_closes(fake: tupl
     assert b"chat.completion" in body
 
 
+def test_connection_close_from_the_client_ends_the_connection_after_its_answer(
+    fake: tuple[FakeUpstream, str],
+) -> None:
+    _, url = fake
+    with proxy(url) as port, socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        # A second request after it is never read: the connection ends with the first answer.
+        s.sendall(
+            request({**CHAT, "stream": True}, rid=b"last", connection="close") + request(rid=b"ignored")
+        )
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    assert out.startswith(b"HTTP/1.1 200 ") and b"\r\nconnection: close\r\n" in out
+    assert out.endswith(b"0\r\n\r\n") and out.count(b"HTTP/1.1 ") == 1
+
+
 def test_100_continue_is_sent_when_the_body_is_read_and_not_for_a_refusal(
     fake: tuple[FakeUpstream, str],
 ) -> None:
