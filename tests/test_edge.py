@@ -3,6 +3,7 @@ and 100-continue answered at the edge; all before any key is checked (issue 24, 
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import socket
 from collections.abc import Iterator
@@ -14,7 +15,8 @@ import pytest
 import uvicorn
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http import flow_control, httptools_impl
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from proxy.app import create_app
 from proxy.server.edge import EdgeProtocol
@@ -260,6 +262,9 @@ def test_the_uvicorn_internals_the_edge_builds_on() -> None:
         "on_header",
         "on_headers_complete",
         "send_400_response",
+        "on_body",
+        "on_message_complete",
+        "_start_asgi_task",
     ):
         assert name in HttpToolsProtocol.__dict__, name
         assert (
@@ -269,3 +274,50 @@ def test_the_uvicorn_internals_the_edge_builds_on() -> None:
     source = inspect.getsource(HttpToolsProtocol)
     for attribute in ("self.url", "self.connections", "self.transport", "self.loop", "self.app"):
         assert attribute in source, attribute
+    for attribute in (
+        "self.pipeline",
+        "self.flow",
+        "self.cycle",
+        "self.tasks",
+        "self.expect_100_continue",
+        "self.limit_concurrency",
+        "self.root_path",
+        "self.server_state",
+        "self.access_log",
+        "self.access_logger",
+        "self.logger",
+    ):
+        assert attribute in source, attribute
+    for name in ("HEADER_RE", "HEADER_VALUE_RE", "STATUS_LINE"):
+        assert hasattr(httptools_impl, name), name
+    assert flow_control.HIGH_WATER_LIMIT == 65536
+
+
+# What proxy/server/raw_cycle.py re-implements for the proxied routes (uvicorn's cycle: its head
+# and body writing, its receive, its ends for a failing app) and the protocol code it shares a
+# connection with (pipelining, keep-alive, shutdown). Any change to these, even in a patch release,
+# fails here: compare the new source with raw_cycle.py and raw_routes.py, carry the change over,
+# then record the new digests.
+_UVICORN_CODE = {
+    (HttpToolsProtocol, "on_message_begin"): "96d377fdc7c2baef",
+    (HttpToolsProtocol, "on_headers_complete"): "1ea8589acfad92d8",
+    (HttpToolsProtocol, "on_body"): "dba9c32aeba35b6a",
+    (HttpToolsProtocol, "on_message_complete"): "1fbad42dc31fc01f",
+    (HttpToolsProtocol, "on_response_complete"): "64e254f28e389e76",
+    (HttpToolsProtocol, "_start_asgi_task"): "8d0189e65525db42",
+    (HttpToolsProtocol, "connection_lost"): "c91a4c9bf2e29c55",
+    (HttpToolsProtocol, "shutdown"): "d7351fa33f00d430",
+    (RequestResponseCycle, "send"): "abdd8601b326a8da",
+    (RequestResponseCycle, "receive"): "8124ae006be71184",
+    (RequestResponseCycle, "run_asgi"): "0f33f2449a444bc2",
+    (flow_control.FlowControl, "__init__"): "0152d94a040758b5",
+}
+
+
+def test_the_uvicorn_code_the_raw_cycle_mirrors_is_unchanged() -> None:
+    changed = [
+        f"{cls.__name__}.{name}"
+        for (cls, name), digest in _UVICORN_CODE.items()
+        if hashlib.sha256(inspect.getsource(getattr(cls, name)).encode()).hexdigest()[:16] != digest
+    ]
+    assert not changed, f"uvicorn changed {changed}: review proxy/server/raw_cycle.py and raw_routes.py"

@@ -70,6 +70,13 @@ SLASH_TOLERANT = frozenset({"/healthz", "/readyz", "/status", "/metrics", "/open
 NEVER_RELAYED = frozenset({"TRACE", "TRACK", "CONNECT"})
 
 
+def forwarded(method: str, path: str) -> bool:
+    """Whether `Dispatch` answers the request through the forwarder or refuses it as one of the
+    proxied routes (401, 405), never reaching FastAPI: the server runs these at the protocol level
+    (proxy/server/raw_routes.py). GET /v1/models is FastAPI's."""
+    return path.startswith("/v1/") and not (path == "/v1/models" and method == "GET")
+
+
 class Dispatch:
     def __init__(self, runtime: Runtime, fastapi: App) -> None:
         self.runtime = runtime

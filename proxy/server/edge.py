@@ -16,6 +16,9 @@ checked, for every route.
 `Expect: 100-continue` is answered here, as uvicorn does, when the application first reads the body;
 the header itself never goes upstream (proxy/core/headers.py drops it).
 
+The proxied routes are served at the protocol level beneath these limits (proxy/server/raw_routes.py),
+everything else through uvicorn's cycle and ASGI.
+
 uvicorn runs this class as `Config(http="proxy.server.edge:EdgeProtocol")` (an importable name, so
 that `--workers N` can start it in each worker); it reads the limits from the application's settings
 at each connection. It builds on uvicorn's internals (pinned in pyproject.toml); tests/test_edge.py
@@ -29,8 +32,8 @@ import logging
 from typing import Any
 
 import orjson
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from proxy.server.raw_routes import RawRoutesProtocol
 from proxy.settings import ServerSettings
 
 log = logging.getLogger("infertap.edge")
@@ -52,7 +55,7 @@ class _HeadTooLarge(Exception):
     """Raised from a parser callback: llhttp stops, and the connection is refused with 431."""
 
 
-class EdgeProtocol(HttpToolsProtocol):
+class EdgeProtocol(RawRoutesProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         limits = getattr(getattr(self.app, "settings", None), "server", None)
