@@ -1,7 +1,8 @@
 """How a pool picks a replica: least_request (power of two choices on in-flight requests),
 round_robin, prefix_affinity (consistent hashing with bounded loads, Mirrokni, Thorup and
-Zadimoghaddam 2016: a ring with virtual nodes per replica, spilling clockwise past a replica already
-at ceil((1 + eps) x the mean load)).
+Zadimoghaddam 2016: a ring with virtual nodes per replica; a conversation's key is placed clockwise
+on the first replica under its share of the live keys and remembered there, and a turn spills
+clockwise past a replica already at ceil((1 + eps) x the mean in-flight load)).
 
 Each choice comes with its reason, counted in `infertap_balance_decisions_total`:
 affinity_hit, spilled, ejected (the preferred replica was ejected, another taken), least_request,
@@ -107,7 +108,7 @@ class RoundRobin(Balancer):
         return (cands[0] if cands else None), "retry"
 
 
-KEY_TABLE_SIZE = 65536  # conversations remembered per process: ~100 bytes each, ~7 MB at most
+KEY_TABLE_SIZE = 65536  # conversations remembered per process: ~200 bytes each, 13 MB when full
 KEY_IDLE_S = 600.0  # a conversation idle this long is forgotten (its prefix is likely evicted by then)
 # The key bound's slack: 0 places a new key only on a replica below ceil(mean) (docs/fleet.md: 0.25,
 # the in-flight bound's, let one replica of 4 hold 5 of 16 conversations and evict one).
