@@ -4,7 +4,9 @@ are retried on another replica) or lose their client.
 
 Invariants: every replica's in-flight count is the number of attempts on it, and all return to 0;
 no attempt goes to a replica after it left the pool; a retry goes to a replica not yet tried while
-one is admitted; prefix_affinity's chosen replica carries at most ceil((1 + eps) x mean) requests.
+one is admitted; prefix_affinity's chosen replica carries at most ceil((1 + eps) x mean) requests;
+its key table stays within its size, counts its keys per replica right, and never points at a
+replica that left the pool.
 
 INFERTAP_POOL_EXAMPLES=2000 INFERTAP_POOL_STEPS=200 runs the long profile (docs/fleet.md).
 """
@@ -19,6 +21,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from proxy.core.balance import PrefixAffinity
 from proxy.core.circuit import Breaker, Permit
 from proxy.core.replicas import Replica, ReplicaPool
 
@@ -28,6 +31,8 @@ URLS = [f"http://10.0.0.{i}:8000/v1" for i in range(1, 7)]
 POLICIES = ["least_request", "round_robin", "prefix_affinity"]
 EPS = 0.25
 COOLDOWN = 10.0
+TABLE = 5  # a small key table, so that it fills up and evicts
+KEYS = st.one_of(st.none(), st.integers(0, 7), st.integers(0, 2**64 - 1))  # repeats are conversations
 
 
 @dataclass
@@ -55,6 +60,8 @@ class PoolMachine(RuleBasedStateMachine):
 
     def _new_pool(self, policy: str, urls: list[str]) -> ReplicaPool:
         pool = ReplicaPool("qwen", policy, breaker, EPS)
+        if isinstance(pool.balancer, PrefixAffinity):
+            pool.balancer.table_size = TABLE
         pool.set_members(urls)
         self.pools.append(pool)
         return pool
@@ -99,7 +106,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool = new
         self._track()
 
-    @rule(key=st.one_of(st.none(), st.integers(0, 2**64 - 1)), panic=st.booleans())
+    @rule(key=KEYS, panic=st.booleans())
     @precondition(lambda self: self.pool is not None)
     def start(self, key: int | None, panic: bool) -> None:
         assert self.pool is not None
@@ -159,9 +166,22 @@ class PoolMachine(RuleBasedStateMachine):
         if req.replica is None:
             self.requests.pop(i)  # nothing left to try: it ends with the failure
 
-    @rule()
-    def time_passes(self) -> None:
-        self.now += COOLDOWN  # ejected replicas may be probed (half-open)
+    @rule(hours=st.sampled_from([0, 0, 1]))
+    def time_passes(self, hours: int) -> None:
+        self.now += COOLDOWN + 3600 * hours  # ejected replicas may be probed (half-open); keys expire
+
+    @invariant()
+    def key_table_bounded_and_in_the_pool(self) -> None:
+        if self.pool is None or not isinstance(self.pool.balancer, PrefixAffinity):
+            return
+        table = self.pool.balancer
+        assert len(table.keys) <= TABLE
+        members = set(map(id, self.pool.members))
+        counts: dict[int, int] = {}
+        for r, _used in table.keys.values():
+            assert id(r) in members, f"a key points at {r}, which left the pool"
+            counts[id(r)] = counts.get(id(r), 0) + 1
+        assert counts == {id(r): c for r, c in table.counts.items()}
 
     @invariant()
     def in_flight_is_the_attempts_on_it(self) -> None:

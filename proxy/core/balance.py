@@ -1,7 +1,8 @@
 """How a pool picks a replica: least_request (power of two choices on in-flight requests),
 round_robin, prefix_affinity (consistent hashing with bounded loads, Mirrokni, Thorup and
-Zadimoghaddam 2016: a ring with virtual nodes per replica, spilling clockwise past a replica already
-at ceil((1 + eps) x the mean load)).
+Zadimoghaddam 2016: a ring with virtual nodes per replica; a conversation's key is placed clockwise
+on the first replica under its share of the live keys and remembered there, and a turn spills
+clockwise past a replica already at ceil((1 + eps) x the mean in-flight load)).
 
 Each choice comes with its reason, counted in `infertap_balance_decisions_total`:
 affinity_hit, spilled, ejected (the preferred replica was ejected, another taken), least_request,
@@ -15,8 +16,9 @@ import bisect
 import hashlib
 import math
 import random
+from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class Replica(Protocol):
@@ -52,6 +54,9 @@ class Balancer:
 
     def rebuild(self, members: Sequence[Replica]) -> None:
         """The pool's members changed (control plane only)."""
+
+    def inherit(self, old: Balancer, members: Sequence[Replica]) -> None:
+        """A reload replaced `old` with this one (control plane only)."""
 
     def choose(
         self, members: Sequence[Replica], key: int | None, tried: tuple[Replica, ...], panic: bool, now: float
@@ -103,14 +108,39 @@ class RoundRobin(Balancer):
         return (cands[0] if cands else None), "retry"
 
 
+KEY_TABLE_SIZE = 65536  # conversations remembered per process: ~200 bytes each, 13 MB when full
+KEY_IDLE_S = 600.0  # a conversation idle this long is forgotten (its prefix is likely evicted by then)
+# The key bound's slack: 0 places a new key only on a replica below ceil(mean) (docs/fleet.md: 0.25,
+# the in-flight bound's, let one replica of 4 hold 5 of 16 conversations and evict one).
+KEY_LOAD_FACTOR = 0.0
+
+
 class PrefixAffinity(Balancer):
+    """Consistent hashing with bounded loads, the balls being conversations (keys) as in Mirrokni
+    et al.: a NEW key walks the ring from its hash to the first replica holding fewer than
+    ceil(mean) live keys (and under the in-flight bound), and is remembered there; a known key
+    stays where its prefix is cached while its replica is under the in-flight bound (a turn above
+    it spills; the key stays). A pure ring gives one replica 1.5-2x the mean of 16 keys over 4
+    replicas, more conversations than its cache holds (docs/fleet.md).
+
+    The table is bounded (KEY_TABLE_SIZE, least recently used first out) and forgets keys idle
+    for KEY_IDLE_S and keys of replicas that left the pool. It is per process: with several
+    workers each places the keys it sees; a key's first choice is still its ring owner, so workers
+    agree until the bound moves a key."""
+
     name = "prefix_affinity"
 
-    def __init__(self, load_factor: float) -> None:
+    def __init__(
+        self, load_factor: float, table_size: int = KEY_TABLE_SIZE, idle_s: float = KEY_IDLE_S
+    ) -> None:
         self.load_factor = load_factor
         self.points: list[int] = []
         self.owners: list[Replica] = []
         self.fallback = LeastRequest()
+        self.table_size = table_size
+        self.idle_s = idle_s
+        self.keys: OrderedDict[int, list[Any]] = OrderedDict()  # key -> [replica, last used]
+        self.counts: dict[Replica, int] = {}  # live keys per replica
 
     def rebuild(self, members: Sequence[Replica]) -> None:
         ring = sorted(
@@ -119,6 +149,41 @@ class PrefixAffinity(Balancer):
         )
         self.points = [p for p, _ in ring]
         self.owners = [r for _, r in ring]
+        keep = set(map(id, members))
+        for key in [k for k, (r, _) in self.keys.items() if id(r) not in keep]:
+            self._forget(key)
+
+    def inherit(self, old: Balancer, members: Sequence[Replica]) -> None:
+        """A reload's: the keys of the replicas that stay keep their place."""
+        if isinstance(old, PrefixAffinity):
+            keep = set(map(id, members))
+            for key, (r, used) in old.keys.items():
+                if id(r) in keep:
+                    self._remember(key, r, used)
+
+    def _forget(self, key: int) -> None:
+        r = self.keys.pop(key)[0]
+        left = self.counts[r] - 1
+        if left:
+            self.counts[r] = left
+        else:
+            del self.counts[r]
+
+    def _remember(self, key: int, r: Replica, now: float) -> None:
+        if key in self.keys:
+            self._forget(key)
+        while len(self.keys) >= self.table_size:
+            self._forget(next(iter(self.keys)))
+        self.keys[key] = [r, now]
+        self.counts[r] = self.counts.get(r, 0) + 1
+
+    def _expire(self, now: float) -> None:
+        keys = self.keys
+        while keys:
+            key, entry = next(iter(keys.items()))
+            if now - entry[1] < self.idle_s:
+                return
+            self._forget(key)
 
     def ceiling(self, members: Sequence[Replica], panic: bool, now: float) -> int:
         """The most requests one replica may carry once this one is placed: ceil((1+eps) x mean)."""
@@ -131,16 +196,38 @@ class PrefixAffinity(Balancer):
             return 0
         return math.ceil((1 + self.load_factor) * (total + 1) / live)
 
+    def key_ceiling(self, members: Sequence[Replica], panic: bool, now: float) -> int:
+        """The most live keys one replica may hold once a new one is placed: every replica holds
+        ceil(mean) at most, since a remembered key never moves to even them out."""
+        live = total = 0
+        for r in members:
+            if not r.draining and (panic or r.admitted(now)):
+                live += 1
+                total += self.counts.get(r, 0)
+        if not live:
+            return 0
+        return math.ceil((1 + KEY_LOAD_FACTOR) * (total + 1) / live)
+
     def choose(
         self, members: Sequence[Replica], key: int | None, tried: tuple[Replica, ...], panic: bool, now: float
     ) -> tuple[Replica | None, str]:
         if key is None or not self.points:
             return self.fallback.choose(members, key, tried, panic, now)
+        self._expire(now)
         cap = self.ceiling(members, panic, now)
+        entry = self.keys.get(key)
+        if entry is not None and not tried:
+            home = entry[0]
+            self.keys.move_to_end(key)
+            entry[1] = now
+            if not home.draining and (panic or home.admitted(now)) and home.in_flight + 1 <= cap:
+                return home, "affinity_hit"
+        keycap = self.key_ceiling(members, panic, now) if entry is None and not tried else 0
         start = bisect.bisect_left(self.points, key)
         n = len(self.owners)
         seen: set[int] = set()
         passed_ejected = passed_full = False
+        fallback: Replica | None = None
         for step in range(n):
             r = self.owners[(start + step) % n]
             if id(r) in seen:
@@ -156,7 +243,19 @@ class PrefixAffinity(Balancer):
                 continue
             if tried:
                 return r, "retry"
-            return r, "spilled" if passed_full else "ejected" if passed_ejected else "affinity_hit"
+            if entry is None:
+                if self.counts.get(r, 0) + 1 > keycap:
+                    fallback = fallback or r  # under the in-flight bound, over the key bound
+                    continue
+                self._remember(key, r, now)
+                return r, "spilled" if passed_full else "ejected" if passed_ejected else "affinity_hit"
+            if entry[0].draining or not (panic or entry[0].admitted(now)):
+                self._remember(key, r, now)  # its replica is out: its prefix gets cached here now
+                return r, "ejected"
+            return r, "spilled"  # its replica is busy: this turn only
+        if fallback is not None:
+            self._remember(key, fallback, now)
+            return fallback, "spilled" if passed_full else "ejected" if passed_ejected else "affinity_hit"
         # Every candidate tried (a retry) or full: the least loaded one left.
         cands = _candidates(members, tried, panic, now)
         if not cands:

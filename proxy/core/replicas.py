@@ -123,6 +123,7 @@ class ReplicaPool:
             urls = [r.url for r in self.members]
         self.members = []
         self.set_members(urls, prev)
+        self.balancer.inherit(old.current().balancer, self.members)
         if fresh_breakers:
             for r in self.members:
                 r.breaker = self.new_breaker()
