@@ -42,6 +42,8 @@ EMPTY_OK = {
     ("infertap-prefill-decode", "What the TTFT regression alert sees"): "1d/1w-ago baselines: no history yet",
     ("infertap-overview", "Client mistakes/s"): "no bad requests in a healthy run",
     ("infertap-overview", "Requests without usage"): "the simulated engine always sends usage",
+    ("infertap-fleet", "Ejected or draining replicas"): "no replica is ejected in a healthy run",
+    ("infertap-fleet", "Failed requests/s per replica"): "no request fails in a healthy run",
 }
 # metric names that appear only after their event (prometheus-client exposes a labelled child once used)
 ON_EVENT = {"infertap_requests_without_usage_total": "an answer without usage; the sim always sends it"}
@@ -104,7 +106,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         port = free_port()
         env = {
             **os.environ,
-            "INFERTAP_UPSTREAMS": json.dumps([{"name": "sim", "base_url": engine_url}]),
+            # A pool (of one replica) so that the Fleet dashboard's and rules' replica series exist.
+            "INFERTAP_UPSTREAMS": json.dumps(
+                [{"name": "sim", "replicas": [engine_url], "balance": "prefix_affinity"}]
+            ),
             # Prices for the sim's model (the spend panels and alert get data); UNPRICED has none.
             "INFERTAP_SPEND__PRICES": json.dumps(
                 [{"models": ["sim-*"], "input_per_mtok": 1.0, "output_per_mtok": 2.0}]
