@@ -98,12 +98,9 @@ class H1Response:
 
     # -- fed by the connection's protocol callbacks ----------------------------------------------
     def feed(self, data: bytes) -> None:
-        pipe = self._pipe
-        if pipe is not None:
-            try:
-                pipe(data)
-            except Exception as e:  # the consumer's failure ends the body (a scanner's limit)
-                self._settle(e)
+        if self._pipe is not None:
+            # One read holds many llhttp chunks (an event each): scanned and written once, at its end.
+            self._buf.append(data)
             return
         self._buf.append(data)
         self._size += len(data)
@@ -111,9 +108,22 @@ class H1Response:
             self._conn.pause()
         self._wake()
 
+    def flush(self) -> None:
+        """The end of a read (the connection's data_received): what it held, to the pipe."""
+        buf = self._buf
+        pipe = self._pipe
+        if buf and pipe is not None:
+            data = buf[0] if len(buf) == 1 else b"".join(buf)
+            buf.clear()
+            try:
+                pipe(data)
+            except Exception as e:  # the consumer's failure ends the body (a scanner's limit)
+                self._settle(e)
+
     def finish(self) -> None:
         self.done = True
         if self._piped is not None:
+            self.flush()
             self._settle(None)
         self._wake()
 
@@ -121,6 +131,7 @@ class H1Response:
         if not self.done and self.exc is None:
             self.exc = exc
             if self._piped is not None:
+                self.flush()  # what arrived before the failure goes first, as chunks() yields it
                 self._settle(exc)
             self._wake()
 
