@@ -1,8 +1,8 @@
 """One answer of the httptools client: status and headers as llhttp parsed them, and the body as
 it arrives, through a bounded buffer (when the consumer falls behind, the connection stops reading
 from the upstream's socket, and reads again once the consumer has taken everything), or piped: handed
-to a callback from the connection's own receive callback (`pipe`, the seam's `Piped`), with no
-buffer and no reader task, reading paused and resumed by the callback's owner."""
+to a callback from the connection's own receive callback (`pipe`, the seam's `Piped`), once per
+read and with no reader task, reading paused and resumed by the callback's owner."""
 
 from __future__ import annotations
 
@@ -98,11 +98,9 @@ class H1Response:
 
     # -- fed by the connection's protocol callbacks ----------------------------------------------
     def feed(self, data: bytes) -> None:
-        if self._pipe is not None:
-            # One read holds many llhttp chunks (an event each): scanned and written once, at its end.
-            self._buf.append(data)
-            return
         self._buf.append(data)
+        if self._pipe is not None:
+            return  # one read holds many llhttp chunks (an event each): one scan and write at its end
         self._size += len(data)
         if self._size > HIGH_WATER and self._conn is not None:
             self._conn.pause()
