@@ -8,7 +8,7 @@ seam as `UpstreamError(kind, status, message)`, named by the error table (errors
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -67,6 +67,37 @@ class UpstreamResponse(Protocol):
 
     def close(self) -> None:
         """Unread or broken: drop the connection (which is what stops an upstream generating)."""
+
+
+class Piped(Protocol):
+    """An optional capability of an UpstreamResponse (the httptools client's): the body handed to
+    `on_data` from the connection's own receive callback, as it arrives, with no reader task.
+
+    `pipe` first hands over whatever is already buffered, then every later read; the awaitable
+    resolves when the body ends whole, or raises one of the client's `errors` (a failed read, the
+    idle timeout) or what `on_data` raised. `pause_body`/`resume_body` stop and restart reading
+    from the upstream's socket (the client's backpressure); the idle clock does not run meanwhile.
+    `unpipe` stops the delivery (a relay that ends early); `close` still drops the connection."""
+
+    def pipe(self, on_data: Callable[[bytes], None]) -> Awaitable[None]: ...
+    def unpipe(self) -> None: ...
+    def pause_body(self) -> None: ...
+    def resume_body(self) -> None: ...
+
+
+class Sink(Protocol):
+    """An optional capability of the client side (the raw cycle's `send` is a bound method of one):
+    a synchronous write for a relay driven by the upstream's callbacks, and the client's transport
+    telling it when to stop and restart reading (`attach`; `detach` when the relay ends)."""
+
+    def push(self, body: bytes) -> None:
+        """One body chunk (more follow), written now; nothing once the client is gone."""
+
+    def attach(self, pause: Callable[[], None], resume: Callable[[], None]) -> None:
+        """`pause` when the client's transport stops taking writes (at once if it already has,
+        and once the client is gone), `resume` when it takes them again."""
+
+    def detach(self) -> None: ...
 
 
 class UpstreamClient(Protocol):

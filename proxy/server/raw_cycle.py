@@ -11,10 +11,12 @@ It keeps the cycle's contract, so the core's ASGI-shaped `Receive`/`Send` work u
   each body chunk with one `transport.write`; it waits only while the client's transport has paused
   writing (the edge's `write_timeout` aborts a client that never drains it).
 
-`start` and `write` are plain methods that write to the transport at once: a relay driven by the
-upstream's protocol callbacks can call them synchronously and look at `writable` to pause its own
-reading. An application's failure ends the cycle as uvicorn's does (a 500 before the head, the
-connection closed after it), with uvicorn's log messages.
+`start` and `write` are plain methods that write to the transport at once; `push`, `attach` and
+`detach` (the seam's `Sink`) let a relay driven by the upstream's protocol callbacks write
+synchronously, its upstream's reading paused while the client's transport has paused writing
+(and once the client is gone), and resumed when it resumes. An application's failure ends the
+cycle as uvicorn's does (a 500 before the head, the connection closed after it), with uvicorn's
+log messages.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class RawCycle:
         "_ready",
         "_waiters",
         "_head",
+        "_on_pause",
+        "_on_resume",
     )
 
     def __init__(self, protocol: HttpToolsProtocol, scope: Any, keep_alive: bool, expect_100: bool) -> None:
@@ -80,6 +84,8 @@ class RawCycle:
         self._ready = False  # uvicorn's message_event, set
         self._waiters: list[asyncio.Future[None]] | None = None
         self._head: bytes | None = None  # written with the first body chunk, or at the loop's next turn
+        self._on_pause: Callable[[], None] | None = None  # a piped relay's (attach)
+        self._on_resume: Callable[[], None] | None = None
 
     # -- from the protocol's parser callbacks ---------------------------------------------------
     def body_received(self, body: bytes) -> None:
@@ -101,6 +107,16 @@ class RawCycle:
         if not self.response_complete:
             self.disconnected = True
         self._wake()
+        if self._on_pause is not None:
+            self._on_pause()  # the relay's upstream stops at once; the disconnect watcher ends it
+
+    def writing_paused(self) -> None:
+        if self._on_pause is not None:
+            self._on_pause()
+
+    def writing_resumed(self) -> None:
+        if self._on_resume is not None and not self.disconnected:
+            self._on_resume()
 
     def _wake(self) -> None:
         self._ready = True
@@ -212,6 +228,25 @@ class RawCycle:
             self._head = None
             if not self.transport.is_closing():
                 self.transport.write(head)
+
+    # -- a relay driven by the upstream's callbacks (the seam's `Sink`) ----------------------------
+    def push(self, body: bytes) -> None:
+        if not self.disconnected and not self.response_complete:
+            self.write(body, True)
+
+    def attach(self, pause: Callable[[], None], resume: Callable[[], None]) -> None:
+        self._on_pause = pause
+        self._on_resume = resume
+        # RawRoutesProtocol's (not imported: raw_routes imports this module).
+        self.protocol.relayed = self  # type: ignore[attr-defined]
+        if self.flow.write_paused or self.disconnected:
+            pause()
+
+    def detach(self) -> None:
+        self._on_pause = self._on_resume = None
+        protocol: Any = self.protocol
+        if protocol.relayed is self:
+            protocol.relayed = None
 
     def write(self, body: bytes, more_body: bool) -> None:
         """One body chunk, one `transport.write`; the last one completes the answer."""

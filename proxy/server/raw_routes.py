@@ -32,6 +32,9 @@ class RawRoutesProtocol(HttpToolsProtocol):
         # level above trace); anything else is served through ASGI alone.
         dispatch = getattr(self.app, "dispatch", None)
         self.dispatch = dispatch if isinstance(dispatch, Dispatch) else None
+        # The cycle a piped relay writes to (RawCycle.attach): not always `cycle`, which a
+        # pipelined request's takes over while this one's answer is still streaming.
+        self.relayed: RawCycle | None = None
 
     def on_headers_complete(self) -> None:
         dispatch = self.dispatch
@@ -98,8 +101,21 @@ class RawRoutesProtocol(HttpToolsProtocol):
         else:
             super().on_message_complete()
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.relayed is not None:
+            self.relayed.writing_paused()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.relayed is not None:
+            self.relayed.writing_resumed()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        relayed = self.relayed
         cycle: Any = self.cycle
+        if relayed is not None and relayed is not cycle:
+            relayed.lost()
         if type(cycle) is RawCycle:
             cycle.lost()
             self.cycle = None  # type: ignore[assignment]  # uvicorn's own would touch its cycle's Event

@@ -85,7 +85,8 @@ class H1Connection(asyncio.Protocol):
 
     # -- llhttp's callbacks ----------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
-        if self.resp is None:  # bytes nobody asked for: the connection cannot be trusted
+        resp = self.resp
+        if resp is None:  # bytes nobody asked for: the connection cannot be trusted
             self.close()
             return
         self.got = True
@@ -95,6 +96,8 @@ class H1Connection(asyncio.Protocol):
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
             self._end(h1_errors.error(e))
             self.close()
+        if resp._pipe is not None:  # a piped answer takes the read's body at once (h1_response.py)
+            resp.flush()
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.resp.raw_headers.append((name, value))  # type: ignore[union-attr]

@@ -1,12 +1,14 @@
 """One answer of the httptools client: status and headers as llhttp parsed them, and the body as
 it arrives, through a bounded buffer (when the consumer falls behind, the connection stops reading
-from the upstream's socket, and reads again once the consumer has taken everything)."""
+from the upstream's socket, and reads again once the consumer has taken everything), or piped: handed
+to a callback from the connection's own receive callback (`pipe`, the seam's `Piped`), once per
+read and with no reader task, reading paused and resumed by the callback's owner."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Protocol
 
 from proxy.core.errors import UpstreamError
@@ -68,6 +70,8 @@ class H1Response:
         "_size",
         "_waiter",
         "_loop",
+        "_pipe",
+        "_piped",
     )
 
     def __init__(self, conn: Source, slot: asyncio.Semaphore | None) -> None:
@@ -83,6 +87,8 @@ class H1Response:
         self._size = 0
         self._waiter: asyncio.Future[None] | None = None
         self._loop = conn.loop
+        self._pipe: Callable[[bytes], None] | None = None
+        self._piped: asyncio.Future[None] | None = None
 
     @property
     def headers(self) -> Mapping[str, str]:
@@ -93,19 +99,51 @@ class H1Response:
     # -- fed by the connection's protocol callbacks ----------------------------------------------
     def feed(self, data: bytes) -> None:
         self._buf.append(data)
+        if self._pipe is not None:
+            return  # one read holds many llhttp chunks (an event each): one scan and write at its end
         self._size += len(data)
         if self._size > HIGH_WATER and self._conn is not None:
             self._conn.pause()
         self._wake()
 
+    def flush(self) -> None:
+        """The end of a read (the connection's data_received): what it held, to the pipe."""
+        buf = self._buf
+        pipe = self._pipe
+        if buf and pipe is not None:
+            data = buf[0] if len(buf) == 1 else b"".join(buf)
+            buf.clear()
+            try:
+                pipe(data)
+            except Exception as e:  # the consumer's failure ends the body (a scanner's limit)
+                self._settle(e)
+
     def finish(self) -> None:
         self.done = True
+        if self._piped is not None:
+            self.flush()
+            self._settle(None)
         self._wake()
 
     def fail(self, exc: UpstreamError) -> None:
         if not self.done and self.exc is None:
             self.exc = exc
+            if self._piped is not None:
+                self.flush()  # what arrived before the failure goes first, as chunks() yields it
+                self._settle(exc)
             self._wake()
+
+    def _settle(self, exc: BaseException | None) -> None:
+        if self._pipe is not None:
+            self._pipe = None
+            if exc is not None:
+                self.pause_body()  # nobody takes what follows: the connection is dropped next
+        fut = self._piped
+        if fut is not None and not fut.done():
+            if exc is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(exc)
 
     def _wake(self) -> None:
         w = self._waiter
@@ -136,6 +174,39 @@ class H1Response:
             else:
                 self._waiter = waiter = self._loop.create_future()
                 await waiter
+
+    def pipe(self, on_data: Callable[[bytes], None]) -> asyncio.Future[None]:
+        self._piped = fut = self._loop.create_future()
+        buf = self._buf
+        if buf:
+            data = buf[0] if len(buf) == 1 else b"".join(buf)
+            buf.clear()
+            self._size = 0
+            try:
+                on_data(data)
+            except Exception as e:
+                fut.set_exception(e)
+                return fut
+        if self.done:
+            fut.set_result(None)
+        elif self.exc is not None:
+            fut.set_exception(self.exc)
+        else:
+            self._pipe = on_data
+            self.resume_body()  # the buffer is empty: whatever paused reading for it is over
+        return fut
+
+    def unpipe(self) -> None:
+        self._pipe = None
+
+    def pause_body(self) -> None:
+        if self._conn is not None:
+            self._conn.pause()
+
+    def resume_body(self) -> None:
+        conn = self._conn
+        if conn is not None and conn.paused:
+            conn.resume()
 
     async def read(self) -> bytes:
         return b"".join([data async for data in self.chunks()])

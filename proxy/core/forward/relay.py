@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Iterable
+from typing import cast
 
 import orjson
 
@@ -13,8 +14,12 @@ from proxy.core.forward.attempts import Call, Ready
 from proxy.core.forward.intake import MAX_JSON_CAPTURE
 from proxy.core.headers import HeaderPolicy, returned_headers
 from proxy.core.hooks import ObserverSet
+from proxy.core.seam import Piped, Sink
 from proxy.core.sse import SSEScanner
 from proxy.core.stream_facts import StreamFacts, absorb_response, usage_details, usage_tokens
+
+# Streams relayed in the upstream's callback (relay_piped): a number the tests can see.
+piped_streams = 0
 
 # Set on every stream below: the upstream's own copies would be sent twice (sse-starlette sends one).
 _SSE_OWN = frozenset({b"cache-control", b"x-accel-buffering"})
@@ -61,7 +66,13 @@ async def relay_committed(
         await send({"type": "http.response.body", "body": b"".join(ready.pending), "more_body": True})
         if ready.outputs:
             stamp_outputs(ex, obs, ready.outputs, time.perf_counter())
-    await relay_sse(send, ex, obs, ready.chunks, scanner)
+    # The capabilities by name (an isinstance against a runtime-checkable Protocol costs ~5 us).
+    sink = getattr(send, "__self__", None)
+    resp = ready.resp
+    if hasattr(sink, "push") and hasattr(resp, "pipe"):
+        await relay_piped(cast(Sink, sink), cast(Piped, resp), ex, obs, scanner)
+    else:
+        await relay_sse(send, ex, obs, ready.chunks, scanner)
     facts = scanner.facts
     if facts.error_events:
         return facts, Outcome.UPSTREAM_ERROR
@@ -117,6 +128,44 @@ async def relay_sse(
             stamp_outputs(ex, obs, outputs, now)
             if ex.first_answer_at is None and facts.answered:
                 ex.first_answer_at = now
+
+
+async def relay_piped(sink: Sink, resp: Piped, ex: Exchange, obs: ObserverSet, scanner: SSEScanner) -> None:
+    """relay_sse's loop run in the upstream connection's receive callback, where the client side
+    can take a synchronous write (the raw cycle) and the upstream's answer can be piped (the
+    httptools client): no reader task to wake, no message per chunk, no awaited send.
+
+    The client's backpressure pauses the upstream's reading and resumes it; the relay's end (the
+    body whole, a failed read, the idle timeout, a scanner's limit) resolves the awaited future,
+    and a disconnect, the total deadline or the drain cancel it, as they cancel relay_sse's read.
+    """
+    global piped_streams
+    piped_streams += 1
+    perf = time.perf_counter
+    facts = scanner.facts
+    feed = scanner.feed
+    push = sink.push
+    if facts.answered and ex.first_answer_at is None:
+        ex.first_answer_at = ex.last_token_at
+
+    def on_data(data: bytes) -> None:
+        out, outputs = feed(data)
+        if not out:
+            return
+        push(out)
+        if outputs:
+            now = perf()
+            stamp_outputs(ex, obs, outputs, now)
+            if ex.first_answer_at is None and facts.answered:
+                ex.first_answer_at = now
+
+    done = resp.pipe(on_data)
+    sink.attach(resp.pause_body, resp.resume_body)
+    try:
+        await done
+    finally:
+        resp.unpipe()
+        sink.detach()
 
 
 async def relay_body(
