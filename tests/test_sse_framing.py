@@ -14,7 +14,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -27,6 +26,7 @@ from hypothesis import strategies as st
 from proxy.core.sse import MAX_EVENT_BYTES, MAX_HELD_BYTES, SSEScanner
 from tests.conftest import RecordingObserver, make_settings, run_proxy
 from tests.raw_upstream import raw_upstream
+from tests.sse_read import sse_events
 
 EXAMPLES = int(os.environ.get("INFERTAP_SSE_EXAMPLES", "25"))
 LONG = settings(max_examples=EXAMPLES * 4, deadline=None)
@@ -187,23 +187,6 @@ def _framed(body: bytes, framing: str) -> bytes:
     return HEAD + b"connection: close\r\n\r\n" + body
 
 
-def _events(body: bytes) -> list[bytes]:
-    """The data of each event as the SSE standard has a client read it; fails on a body that ends
-    inside an event."""
-    lines = re.split(rb"\r\n|\r|\n", body)
-    assert lines[-1] == b"", f"ends mid-line: {body[-80:]!r}"
-    events, data = [], []
-    for line in lines[:-1]:
-        if not line:
-            if data:
-                events.append(b"\n".join(data))
-            data = []
-        elif line.startswith(b"data:"):
-            data.append(line[6:] if line.startswith(b"data: ") else line[5:])
-    assert not data, f"ends inside an event: {body[-80:]!r}"
-    return events
-
-
 def test_a_cr_only_stream_is_relayed_whole(proxy: tuple[str, list[dict[str, str]], Any]) -> None:
     """Item 12 end to end (before: the whole stream came at the end, then an error event)."""
     base, _, _ = proxy
@@ -219,7 +202,7 @@ def test_a_huge_event_ends_the_stream_in_band(proxy: tuple[str, list[dict[str, s
     first = b"data: " + _delta("hi") + b"\n\n"
     r = _post(base, "huge", _framed(first + b"data: " + b"x" * (10 << 20) + b"\n\ndata: [DONE]\n\n", "close"))
     assert r.status_code == 200 and r.content.startswith(first)
-    error = json.loads(_events(r.content)[-1])["error"]
+    error = json.loads(sse_events(r.content)[-1])["error"]
     assert f"more than {MAX_EVENT_BYTES} bytes without the blank line" in error["message"]
 
 
@@ -248,7 +231,7 @@ def test_the_stream_limits_are_settings() -> None:
             r = _post_to(base, bodies, "big", _framed(big, "close"))
             if r.status_code == 200:
                 assert r.content.startswith(first)
-                error = json.loads(_events(r.content)[-1])["error"]
+                error = json.loads(sse_events(r.content)[-1])["error"]
             else:  # the first event and the line came in one read: the attempt failed before commit
                 assert r.status_code == 502
                 error = r.json()["error"]
@@ -327,7 +310,7 @@ def test_garbage_anywhere_ends_the_stream_with_whole_events(
     if r.status_code != 200:
         assert r.json()["error"]["message"].startswith("upstream 'raw'")
         return
-    events = _events(r.content)
+    events = sse_events(r.content)
     assert events, r.content
     last = events[-1]
     assert last == b"[DONE]" or "error" in json.loads(last), r.content[-200:]

@@ -22,7 +22,6 @@ import asyncio
 import itertools
 import json
 import os
-import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -35,6 +34,7 @@ from hypothesis import strategies as st
 
 from proxy.core.exchange import Outcome
 from tests.conftest import RecordingObserver, make_settings, run_proxy
+from tests.sse_read import sse_events
 
 EXAMPLES = int(os.environ.get("INFERTAP_SSE_EXAMPLES", "25"))
 
@@ -189,23 +189,6 @@ def proxy(proxies: dict[str, tuple[str, RecordingObserver]]) -> tuple[str, Recor
 _CASES = itertools.count()
 
 
-def _events(body: bytes) -> list[bytes]:
-    """The data of each event as the SSE standard has a client read it; fails on a body that ends
-    inside an event."""
-    lines = re.split(rb"\r\n|\r|\n", body)
-    assert lines[-1] == b"", f"ends mid-line: {body[-80:]!r}"
-    events, data = [], []
-    for line in lines[:-1]:
-        if not line:
-            if data:
-                events.append(b"\n".join(data))
-            data = []
-        elif line.startswith(b"data:"):
-            data.append(line[6:] if line.startswith(b"data: ") else line[5:])
-    assert not data, f"ends inside an event: {body[-80:]!r}"
-    return events
-
-
 def _is_error(event: bytes) -> bool:
     try:
         obj = json.loads(event)
@@ -238,7 +221,7 @@ def check(
             r = None
     if r is not None and stream and sse:
         if r.status_code == 200:
-            events = _events(r.content)
+            events = sse_events(r.content)
             assert events, r.content
             # [DONE] (what an upstream sends after it, complete events, reaches the client too), or
             # infertap's error event last.

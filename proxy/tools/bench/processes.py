@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from proxy.tools.bench.loadgen import Job, JobResult
 from proxy.tools.bench.upstream import READY
@@ -265,7 +265,29 @@ class LoadGenerator:
             _stop(self.proc)
 
 
-class Infertap:
+class ServerProcess:
+    """A server the bench started (its stderr kept in a temporary file): its process tree for the CPU
+    counts, the end of its stderr for an error message, and its stop."""
+
+    proc: subprocess.Popen[Any]
+    log: IO[bytes]
+    pids: list[int]
+    TAIL = 2000  # characters of stderr an error message quotes
+
+    def refresh_pids(self) -> list[int]:
+        self.pids = process_tree(self.proc.pid)
+        return self.pids
+
+    def stderr_tail(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-self.TAIL :]
+
+    def close(self) -> None:
+        _stop(self.proc)
+        self.log.close()
+
+
+class Infertap(ServerProcess):
     """`infertap serve` in front of the bench upstream, as a user would run it (plus the bench's env)."""
 
     def __init__(
@@ -326,15 +348,3 @@ class Infertap:
             ),
         )
         self.refresh_pids()
-
-    def refresh_pids(self) -> list[int]:
-        self.pids = process_tree(self.proc.pid)
-        return self.pids
-
-    def stderr_tail(self) -> str:
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")[-2000:]
-
-    def close(self) -> None:
-        _stop(self.proc)
-        self.log.close()

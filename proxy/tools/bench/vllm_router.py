@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from proxy.tools.bench.processes import _popen, _stop, free_port, pin_child, process_tree, wait_ready
+from proxy.tools.bench.processes import ServerProcess, _popen, free_port, pin_child, wait_ready
 
 ROOT = Path(__file__).resolve().parents[3]
 VENV_EXE = ROOT / ".bench-tools" / "vllm-router" / "bin" / "vllm-router"
@@ -35,9 +35,11 @@ def find_vllm_router() -> str | None:
     return shutil.which("vllm-router")
 
 
-class VllmRouter:
+class VllmRouter(ServerProcess):
     """`vllm-router --worker-urls ... --policy P` on a free port, its Prometheus port another free one
     (the default, 29000, would collide between two routers)."""
+
+    TAIL = 1500
 
     def __init__(
         self,
@@ -86,14 +88,5 @@ class VllmRouter:
         )
         self.refresh_pids()
 
-    def refresh_pids(self) -> list[int]:
-        self.pids = process_tree(self.proc.pid)
-        return self.pids
-
     def stderr_tail(self) -> str:
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")[-1500:].strip()
-
-    def close(self) -> None:
-        _stop(self.proc)
-        self.log.close()
+        return super().stderr_tail().strip()
