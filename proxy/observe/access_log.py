@@ -8,6 +8,7 @@ their lines are DEBUG, so they show only with `--log-level debug`; everything el
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
@@ -17,6 +18,7 @@ import orjson
 from proxy.core.exchange import Exchange, LocalAnswer
 from proxy.core.hooks import Observer
 from proxy.core.route_table import route_of
+from proxy.observe.log_lines import LineWriter
 
 log = logging.getLogger("infertap.access")
 
@@ -29,9 +31,13 @@ def _r(value: float | None) -> float | None:
     return None if value is None else round(value, 6)
 
 
+@functools.lru_cache(maxsize=4)  # a line per request, a strftime per second
+def _utc_second(second: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+
+
 def _ts(unix_ns: int) -> str:
-    second = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(unix_ns / 1e9))
-    return f"{second}.{unix_ns // 1_000_000 % 1000:03d}Z"
+    return f"{_utc_second(unix_ns // 1_000_000_000)}.{unix_ns // 1_000_000 % 1000:03d}Z"
 
 
 # A client's model name in a log line: enough to recognise it, never a megabyte-long line.
@@ -138,16 +144,17 @@ class AccessLog(Observer):
     def __init__(self, fmt: str = "json", logger: logging.Logger = log) -> None:
         self.fmt = fmt
         self.logger = logger
+        self.writer = LineWriter(logger)  # the line without a LogRecord, where nobody can tell
 
     def ended(self, ex: Exchange) -> None:
         if self.logger.isEnabledFor(logging.INFO):
-            self.logger.info(self._line(access_record(ex)))
+            self.writer.write(logging.INFO, self._line(access_record(ex)))
 
     def answered(self, answer: LocalAnswer) -> None:
         quiet = answer.route in QUIET_ROUTES and answer.status < 400
         level = logging.DEBUG if quiet else logging.INFO
         if self.logger.isEnabledFor(level):
-            self.logger.log(level, self._line(local_record(answer)))
+            self.writer.write(level, self._line(local_record(answer)))
 
     def _line(self, record: dict[str, Any]) -> str:
         if self.fmt == "json":

@@ -1,17 +1,14 @@
-"""infertap's log lines: one format, set up once per process (the supervisor and each worker)."""
+"""infertap's log lines: one format, set up once per process (the supervisor and each worker).
+
+The format and its handler are proxy/observe/log_lines.py's, where the access log's direct writer
+relies on them."""
 
 from __future__ import annotations
 
-import logging
+from proxy.observe.log_lines import LOG_FORMAT, install
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+__all__ = ["LOG_FORMAT", "configure_logging"]
 
 
 def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
-    # LOG_FORMAT uses none of these, and each costs every record (the access log writes one per
-    # request): the caller's frame, the thread, the process (logging's documented optimisations).
-    logging._srcfile = None
-    logging.logThreads = False
-    logging.logProcesses = False
-    logging.logMultiprocessing = False
+    install(level)

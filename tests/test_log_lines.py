@@ -1,0 +1,106 @@
+"""The access log's direct writer (proxy/observe/log_lines.py) writes what logging would have
+written, and only where nothing else could see the difference."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.observe.log_lines import LineHandler, LineWriter
+
+
+@contextlib.contextmanager
+def alone() -> Iterator[tuple[LineHandler, io.StringIO]]:
+    """The root logger as `infertap serve` leaves it: one LineHandler (here on a StringIO). Entered in
+    the test's body: pytest adds a handler of its own to the root around the call, after fixtures."""
+    root = logging.root
+    saved, level = root.handlers[:], root.level
+    handler = LineHandler()
+    stream = io.StringIO()
+    handler.setStream(stream)
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    try:
+        yield handler, stream
+    finally:
+        root.handlers[:] = saved
+        root.setLevel(level)
+
+
+@given(st.floats(min_value=0, max_value=4e9, allow_nan=False))
+def test_the_timestamp_is_loggings(created: float) -> None:
+    record = logging.LogRecord("x", logging.INFO, __file__, 1, "m", None, None)
+    record.created = created
+    record.msecs = int((created - int(created)) * 1000) + 0.0
+    assert LineWriter(logging.getLogger("x")).asctime(created) == logging.Formatter().formatTime(record)
+
+
+def test_a_direct_line_is_the_line_logging_writes() -> None:
+    with alone() as (handler, stream):
+        _same_line(handler, stream)
+
+
+def _same_line(handler: LineHandler, stream: io.StringIO) -> None:
+    logger = logging.getLogger("infertap.test_log_lines")
+    writer = LineWriter(logger)
+    writer.write(logging.INFO, 'request_id=abc "quoted" é')
+    direct = stream.getvalue()
+    stream.truncate(0)
+    stream.seek(0)
+    logger.info('request_id=abc "quoted" é')
+    through_logging = stream.getvalue()
+    stamp = len("2026-01-01 00:00:00,000")
+    expected = ' INFO infertap.test_log_lines: request_id=abc "quoted" é\n'
+    assert direct[stamp:] == through_logging[stamp:] == expected
+    assert direct[:4].isdigit() and direct[19] == ","
+
+
+def test_another_handler_takes_loggings_path(caplog: pytest.LogCaptureFixture) -> None:
+    with alone() as (handler, stream):
+        writer = LineWriter(logging.getLogger("infertap.test_log_lines"))
+        assert writer._handler(logging.INFO) is handler
+        logging.root.addHandler(caplog.handler)
+        try:
+            assert writer._handler(logging.INFO) is None
+            writer.write(logging.INFO, "seen by caplog")
+        finally:
+            logging.root.removeHandler(caplog.handler)
+    assert "seen by caplog" in caplog.text
+    assert "seen by caplog" in stream.getvalue()
+
+
+def test_a_filter_or_another_formatter_takes_loggings_path() -> None:
+    with alone() as (handler, stream):
+        _logging_path(handler, stream)
+
+
+def _logging_path(handler: LineHandler, stream: io.StringIO) -> None:
+    logger = logging.getLogger("infertap.test_log_lines")
+    writer = LineWriter(logger)
+    assert writer._handler(logging.INFO) is handler
+
+    class Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return False
+
+    # (logging applies the logger's own filters and the handler's; the writer also steps aside for a
+    # parent's or the root's, which logging would not apply: harmless.)
+    for owner in (logger, handler, logging.getLogger("infertap"), logging.root):
+        owner.addFilter(drop := Drop())
+        try:
+            assert writer._handler(logging.INFO) is None
+            if owner is logger or owner is handler:
+                writer.write(logging.INFO, "dropped by a filter")
+        finally:
+            owner.removeFilter(drop)
+    assert "dropped" not in stream.getvalue()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    assert writer._handler(logging.INFO) is None
+    writer.write(logging.INFO, "formatted by the new formatter")
+    assert stream.getvalue() == "formatted by the new formatter\n"
