@@ -9,7 +9,7 @@ import logging
 
 import httpx
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from proxy.core.exchange import Exchange, Outcome
@@ -46,6 +46,7 @@ def _line(fmt: str, model: str, error: str) -> str:
 
 @settings(max_examples=200, deadline=None)
 @given(model=st.text(max_size=40), error=st.text(max_size=40))
+@example(model="", error="\x7f")  # DEL, the one ASCII control character orjson leaves as it is
 def test_any_client_string_stays_one_printable_line(model: str, error: str) -> None:
     for fmt in ("json", "logfmt"):
         line = _line(fmt, model, error)
