@@ -63,6 +63,7 @@ class RawCycle:
         "_head",
         "_on_pause",
         "_on_resume",
+        "_on_gone",
     )
 
     def __init__(self, protocol: HttpToolsProtocol, scope: Any, keep_alive: bool, expect_100: bool) -> None:
@@ -86,6 +87,7 @@ class RawCycle:
         self._head: bytes | None = None  # written with the first body chunk, or at the loop's next turn
         self._on_pause: Callable[[], None] | None = None  # a piped relay's (attach)
         self._on_resume: Callable[[], None] | None = None
+        self._on_gone: Callable[[], object] | None = None  # the disconnect watch's (watch_disconnect)
 
     # -- from the protocol's parser callbacks ---------------------------------------------------
     def body_received(self, body: bytes) -> None:
@@ -109,6 +111,8 @@ class RawCycle:
         self._wake()
         if self._on_pause is not None:
             self._on_pause()  # the relay's upstream stops at once; the disconnect watcher ends it
+        if self.disconnected:
+            self._gone()
 
     def writing_paused(self) -> None:
         if self._on_pause is not None:
@@ -127,6 +131,20 @@ class RawCycle:
                     waiter.set_result(None)
 
     # -- the application's side ---------------------------------------------------------------------
+    def watch_disconnect(self, on_gone: Callable[[], object]) -> _Watch:
+        """`on_gone` when the connection is lost before the answer is complete: called from the
+        protocol's `connection_lost`, where a task reading `receive` until `http.disconnect` would
+        wake up to say so (proxy.core.asgi.watch_disconnect)."""
+        self._on_gone = on_gone
+        if self.disconnected:  # already: at the loop's next turn, unless cancelled by then
+            self.protocol.loop.call_soon(self._gone)
+        return _Watch(self)
+
+    def _gone(self) -> None:
+        gone, self._on_gone = self._on_gone, None
+        if gone is not None:
+            gone()
+
     async def receive(self) -> dict[str, Any]:
         if self.waiting_for_100_continue and not self.transport.is_closing():
             self.transport.write(_CONTINUE)
@@ -310,6 +328,18 @@ class RawCycle:
         ]
         await self.send({"type": "http.response.start", "status": 500, "headers": headers})
         await self.send({"type": "http.response.body", "body": b"Internal Server Error", "more_body": False})
+
+
+class _Watch:
+    """A cycle's disconnect watch, as `cancel()` ends it."""
+
+    __slots__ = ("cycle",)
+
+    def __init__(self, cycle: RawCycle) -> None:
+        self.cycle = cycle
+
+    def cancel(self) -> None:
+        self.cycle._on_gone = None
 
 
 def _nothing() -> None:

@@ -16,7 +16,7 @@ from typing import Final
 
 import orjson
 
-from proxy.core.asgi import RawHeaders, Send, send_error
+from proxy.core.asgi import RawHeaders, Send, Watcher, send_error
 from proxy.core.exchange import Outcome
 from proxy.core.forward.attempts import Call, Ready
 from proxy.core.forward.relay import status_outcome
@@ -103,7 +103,7 @@ async def end_in_band(send: Send, call: Call, message: str, kind: str) -> None:
 async def answer_error(
     send: Send,
     call: Call,
-    watcher: asyncio.Task[None],
+    watcher: Watcher,
     status: int,
     message: str,
     kind: str,

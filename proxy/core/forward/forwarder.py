@@ -26,6 +26,7 @@ from proxy.core.asgi import (
     Receive,
     Scope,
     Send,
+    Watcher,
     read_body,
     send_error,
 )
@@ -230,7 +231,7 @@ class Forwarder:
         await guarded(self, receive, send, call)
 
     # -- attempts, fallback, circuit --------------------------------------------------------
-    async def run(self, send: Send, call: Call, watcher: asyncio.Task[None]) -> None:
+    async def run(self, send: Send, call: Call, watcher: Watcher) -> None:
         ex = call.ex
         plan = call.plan
         if self.early and ex.stream and call.route.scanner is not None:
@@ -343,7 +344,7 @@ class Forwarder:
         self.end(ex, outcome_of(failure.kind), failure.status, failure.message)
 
     async def _circuit_open(
-        self, send: Send, call: Call, plan: list[Upstream], watcher: asyncio.Task[None]
+        self, send: Send, call: Call, plan: list[Upstream], watcher: Watcher
     ) -> None:
         now = time.monotonic()
         msg = "; ".join(f"upstream '{up.name}' is unavailable: {up.describe(now)}" for up in plan)
@@ -372,7 +373,7 @@ class Forwarder:
 
     # -- commit and relay -------------------------------------------------------------------
     async def _commit(
-        self, send: Send, call: Call, up: Upstream, ready: Ready, watcher: asyncio.Task[None]
+        self, send: Send, call: Call, up: Upstream, ready: Ready, watcher: Watcher
     ) -> None:
         ex, resp = call.ex, ready.resp
         is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")

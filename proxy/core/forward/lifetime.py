@@ -10,7 +10,7 @@ import logging
 import time
 from typing import Any, Protocol
 
-from proxy.core.asgi import Receive, Send, send_error, watch_disconnect
+from proxy.core.asgi import Receive, Send, Watcher, send_error, watch_disconnect
 from proxy.core.errors import ERRORS, ErrorKind, Phase, describe, failure_message
 from proxy.core.exchange import Exchange, Outcome
 from proxy.core.forward.attempts import Call
@@ -28,7 +28,7 @@ class Runner(Protocol):
     tasks: set[asyncio.Task[Any]]
     shutting_down: bool
 
-    async def run(self, send: Send, call: Call, watcher: asyncio.Task[None]) -> None: ...
+    async def run(self, send: Send, call: Call, watcher: Watcher) -> None: ...
 
     def end(
         self, ex: Exchange, outcome: Outcome, status: int | None = None, error: str | None = None
