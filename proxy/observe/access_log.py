@@ -134,7 +134,7 @@ def _json_line(record: dict[str, Any]) -> str:
     line = orjson.dumps(record).decode()
     # orjson escapes the ASCII control characters but DEL; DEL, NEL, U+2028 and the like it writes
     # as they are. (isascii is O(1); the scans run only where they can find something.)
-    if ("\x7f" in line if line.isascii() else not line.isprintable()):
+    if "\x7f" in line if line.isascii() else not line.isprintable():
         line = "".join(map(_printable, line))
     return line
 

@@ -343,9 +343,7 @@ class Forwarder:
         await answer_error(send, call, watcher, failure.status, failure.message, kind, kind)
         self.end(ex, outcome_of(failure.kind), failure.status, failure.message)
 
-    async def _circuit_open(
-        self, send: Send, call: Call, plan: list[Upstream], watcher: Watcher
-    ) -> None:
+    async def _circuit_open(self, send: Send, call: Call, plan: list[Upstream], watcher: Watcher) -> None:
         now = time.monotonic()
         msg = "; ".join(f"upstream '{up.name}' is unavailable: {up.describe(now)}" for up in plan)
         wait = str(max(1, math.ceil(min(up.retry_in(now) for up in plan)))).encode()
@@ -372,9 +370,7 @@ class Forwarder:
             self.observers.upstream_health(ex, up.name, now_up)
 
     # -- commit and relay -------------------------------------------------------------------
-    async def _commit(
-        self, send: Send, call: Call, up: Upstream, ready: Ready, watcher: Watcher
-    ) -> None:
+    async def _commit(self, send: Send, call: Call, up: Upstream, ready: Ready, watcher: Watcher) -> None:
         ex, resp = call.ex, ready.resp
         is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
         facts = StreamFacts()

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from proxy.core.exchange import Exchange
+from proxy.observe.metrics.fast import Counting
 from proxy.observe.metrics.labels import BoundedLabels
 from proxy.settings import Settings, display_url
 
@@ -31,8 +32,10 @@ class PoolMetrics:
         Counter: Callable[..., Any],  # noqa: N803 - prometheus_client's types, under their names
         Gauge: Callable[..., Any],  # noqa: N803
         Histogram: Callable[..., Any],  # noqa: N803
+        counting: Counting,  # how the children are counted (prometheus.py's COUNTING)
     ) -> None:
         r = registry
+        self.count = counting
         self.requests = Counter(
             "infertap_replica_requests_total",
             "Attempts on a pool's replica by how they ended (the request's outcome for the attempt "
@@ -107,30 +110,30 @@ class PoolMetrics:
         upstream = ex.upstream or ""
         replica = self._label(upstream, ex.replica or "")
         ex.scratch[_SCRATCH] = ex.scratch[_PENDING] = (upstream, replica)
-        self._c(self.decisions, upstream, policy, reason).inc()
-        self._c(self.in_flight, upstream, replica).inc()
+        self.count.inc(self._c(self.decisions, upstream, policy, reason))
+        self.count.inc(self._c(self.in_flight, upstream, replica))
 
     def replica_released(self, ex: Exchange, outcome: str | None) -> None:
         labels = ex.scratch.get(_SCRATCH)
         if labels is None:
             return
-        self._c(self.in_flight, *labels).dec()
+        self.count.dec(self._c(self.in_flight, *labels))
         # An attempt that failed before its commit is counted now; the answering one at the
         # request's end (which may come before or after this, as the stream ends or is cut).
         if outcome is not None:
-            self._c(self.requests, *labels, outcome).inc()
+            self.count.inc(self._c(self.requests, *labels, outcome))
             ex.scratch.pop(_PENDING, None)
 
     def first_token(self, ex: Exchange) -> None:
         labels = ex.scratch.get(_SCRATCH)
         ttft = ex.ttft_of_attempt
         if labels is not None and ttft is not None:
-            self._c(self.ttft, *labels).observe(ttft)
+            self.count.observe(self._c(self.ttft, *labels), ttft)
 
     def ended(self, ex: Exchange, outcome: str) -> None:
         labels = ex.scratch.pop(_PENDING, None)
         if labels is not None:
-            self._c(self.requests, *labels, outcome).inc()
+            self.count.inc(self._c(self.requests, *labels, outcome))
 
     def replica_health(self, upstream: str, replica: str, up: bool) -> None:
         self._c(self.up, upstream, self._label(upstream, replica)).set(1 if up else 0)

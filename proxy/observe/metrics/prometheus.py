@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
-from bisect import bisect_left
 from collections.abc import Collection, Iterator
 from importlib.metadata import version
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, values
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 
@@ -29,75 +28,41 @@ from proxy.observe.metrics.buckets import (
     TOKEN_BUCKETS,
     TTFT_BUCKETS,
 )
+from proxy.observe.metrics.fast import DIRECT, METHODS, _observe_each, direct_works
 from proxy.observe.metrics.labels import NONE, OTHER, ModelLabels, multiprocess_dir
 from proxy.observe.metrics.loop_lag import LoopLagProbe
 from proxy.observe.metrics.pools import PoolMetrics
 from proxy.observe.spend import billed_tokens
 from proxy.settings import MetricsSettings, Settings
 
-__all__ = ["NONE", "OTHER", "CollectorRegistry", "Metrics", "ModelLabels", "multiprocess_dir"]
+__all__ = [
+    "AT_ONCE",
+    "NONE",
+    "OTHER",
+    "CollectorRegistry",
+    "Metrics",
+    "ModelLabels",
+    "_observe_each",
+    "multiprocess_dir",
+    "observe_many",
+]
 
 UPSTREAM_UP = "infertap_upstream_up"
 IN_FLIGHT = "infertap_in_flight_requests"
 
 
-def _observe_many_at_once(child: Any, value: float, n: int) -> None:
-    # What prometheus_client's Histogram.observe does (the same attributes, in its single- and
-    # multi-process value classes alike), n times at once. Its private attributes: checked below.
-    child._sum.inc(value * n)
-    child._buckets[bisect_left(child._upper_bounds, value)].inc(n)
-
-
-def _observe_each(child: Any, value: float, n: int) -> None:
-    for _ in range(n):
-        child.observe(value)
-
-
-def at_once_works(histogram: type[Histogram] = Histogram) -> bool:
-    """Whether `_observe_many_at_once` still does what n calls of `observe` do, in this version of
-    prometheus_client: two throwaway histograms, one observed each time, one at once, compared.
-    They hold their values in memory, never in the multiprocess directory (whose files every
-    scrape reads): prometheus_client's in-memory value class is chosen for them."""
-    from prometheus_client import values
-
-    chosen = values.ValueClass
-    try:
-        values.ValueClass = values.MutexValue
-        each, at_once = (histogram("check", "check", registry=None, buckets=(0.5, 1.0)) for _ in range(2))
-    except Exception:  # whatever changed, the answer is no
-        return False
-    finally:
-        values.ValueClass = chosen
-    try:
-        for value, n in ((0.0, 3), (0.5, 2), (0.75, 4), (1.0, 1), (7.0, 5)):
-            _observe_each(each, value, n)
-            _observe_many_at_once(at_once, value, n)
-        # Values that sum exactly in binary floating point; `_created` is each one's own time.
-        got, want = ([s[:3] for s in h._child_samples() if s.name != "_created"] for h in (at_once, each))
-        return got == want
-    except Exception:
-        return False
-
-
-# Checked once, at import: a prometheus_client that no longer keeps those attributes gets n calls
-# of its own `observe` (slower for bursts, never wrong), not an AttributeError per request.
-AT_ONCE = at_once_works()
+# Checked once, at import (proxy/observe/metrics/fast.py): a prometheus_client that no longer keeps
+# the attributes DIRECT counts into gets its own methods (slower, never wrong), not an
+# AttributeError per request.
+AT_ONCE = direct_works(Histogram, Counter, Gauge, values)
+COUNTING = DIRECT if AT_ONCE else METHODS
+inc, dec, observe, observe_many = COUNTING
 if not AT_ONCE:
     logging.getLogger("infertap.metrics").warning(
-        "prometheus_client %s: a burst of output events is observed one by one (slower)",
+        "prometheus_client %s: every observation takes its own methods, and a burst of output "
+        "events is observed one by one (slower)",
         version("prometheus_client"),
     )
-
-
-def observe_many(child: Any, value: float, n: int) -> None:
-    """`n` observations of `value` in a histogram child, at the cost of one: the events of one
-    read share a timestamp, so a burst of 100 adds 99 zero gaps. prometheus_client has no such
-    call. tests/test_metrics.py holds it equal to n calls of `observe`, with and without the
-    fallback."""
-    if AT_ONCE:
-        _observe_many_at_once(child, value, n)
-    else:
-        _observe_each(child, value, n)
 
 
 def _default_model_patterns(settings: Settings) -> list[str] | None:
@@ -311,7 +276,7 @@ class Metrics(Observer):
         self._budgeted: set[str] = set()
         for client in self.budgets:
             self._set_budget(client)
-        self.pools = PoolMetrics(r, m.ttft_buckets or TTFT_BUCKETS, Counter, Gauge, Histogram)
+        self.pools = PoolMetrics(r, m.ttft_buckets or TTFT_BUCKETS, Counter, Gauge, Histogram, COUNTING)
         self._upstreams: set[str] = set()  # the upstreams configured now
         self._follow(settings, {up.name for up in settings.upstreams})
 
@@ -355,17 +320,17 @@ class Metrics(Observer):
         model = self.model_label(ex.model)
         upstream = ex.upstream or NONE
         ex.scratch["metrics"] = (model, upstream)
-        self._c(self.in_flight, upstream).inc()
+        inc(self._c(self.in_flight, upstream))
 
     # ex.upstream is the upstream of the current attempt (a fallback may take over); the
     # in-flight gauge keeps the label it was raised with.
     def retry(self, ex: Exchange, reason: str, backoff: float) -> None:
         upstream = ex.upstream or NONE
-        self._c(self.attempts, upstream, reason).inc()
-        self._c(self.retries, upstream, reason).inc()
+        inc(self._c(self.attempts, upstream, reason))
+        inc(self._c(self.retries, upstream, reason))
         phase = TIMEOUT_PHASES.get(reason)
         if phase is not None:
-            self._c(self.timeouts, upstream, phase).inc()
+            inc(self._c(self.timeouts, upstream, phase))
 
     def upstream_health(self, ex: Exchange, upstream: str, up: bool) -> None:
         self._c(self.upstream_up, upstream).set(1 if up else 0)
@@ -384,24 +349,24 @@ class Metrics(Observer):
         model, upstream = ex.scratch["metrics"][0], ex.upstream or NONE
         ttfb = ex.ttfb
         if ttfb is not None:
-            self._c(self.ttfb, model, upstream).observe(ttfb)
+            observe(self._c(self.ttfb, model, upstream), ttfb)
 
     def first_token(self, ex: Exchange) -> None:
         model, upstream = ex.scratch["metrics"][0], ex.upstream or NONE
         ttft = ex.ttft
         if ttft is not None:
-            self._c(self.ttft, model, upstream, ex.prompt_class).observe(ttft, self._exemplar(ex))
+            self._observe_traced(self._c(self.ttft, model, upstream, ex.prompt_class), ttft, ex)
         if ex.replica is not None:
             self.pools.first_token(ex)
         ex.scratch["metrics.itl"] = self._c(self.itl, model, upstream)
         if self.overhead_on:
             overhead = ex.first_token_overhead
             if overhead is not None:
-                self._first_token.observe(overhead)
+                observe(self._first_token, overhead)
 
     def chunk(self, ex: Exchange, gap: float, count: int) -> None:
         itl = ex.scratch["metrics.itl"]
-        itl.observe(gap)
+        observe(itl, gap)
         if count > 1:
             observe_many(itl, 0.0, count - 1)
 
@@ -410,59 +375,59 @@ class Metrics(Observer):
         upstream = ex.upstream or NONE
         outcome = ex.outcome.value if ex.outcome is not None else NONE
         stream = "true" if ex.stream else "false"
-        self._c(self.in_flight, routed).dec()
+        dec(self._c(self.in_flight, routed))
         if self.overhead_on:
             intake = ex.intake_overhead
             if intake is not None:
-                self._intake.observe(intake)
+                observe(self._intake, intake)
         client = ex.client
-        self._c(self.requests, ex.route, model, upstream, stream, outcome, client).inc()
+        inc(self._c(self.requests, ex.route, model, upstream, stream, outcome, client))
         if ex.replica is not None:
             self.pools.ended(ex, outcome)
         if ex.attempts:
             result = "cancelled" if ex.outcome is Outcome.CLIENT_DISCONNECT else outcome
-            self._c(self.attempts, upstream, result).inc()
+            inc(self._c(self.attempts, upstream, result))
         phase = TIMEOUT_PHASES.get(outcome)
         if phase is not None:
-            self._c(self.timeouts, upstream, phase).inc()
+            inc(self._c(self.timeouts, upstream, phase))
         if ex.outcome is Outcome.REJECTED:
             return
         duration = ex.duration
         if duration is not None:
-            self._c(self.duration, ex.route, model, upstream, stream).observe(duration, self._exemplar(ex))
+            self._observe_traced(self._c(self.duration, ex.route, model, upstream, stream), duration, ex)
         if ex.outcome is not Outcome.OK:
             return
         tpot = ex.tpot
         if tpot is not None:
-            self._c(self.tpot, model, upstream).observe(tpot)
+            observe(self._c(self.tpot, model, upstream), tpot)
         ttft_answer = ex.ttft_answer
         if ttft_answer is not None:
-            self._c(self.ttft_answer, model, upstream).observe(ttft_answer)
+            observe(self._c(self.ttft_answer, model, upstream), ttft_answer)
         if self.spend_on:
             self._spend(ex, model, upstream, client)
         prompt = ex.prompt_tokens if ex.prompt_tokens is not None else ex.estimated_prompt_tokens
         if prompt:
-            self._c(self.prompt_tokens, model, upstream, client).inc(prompt)
-            self._c(self.req_prompt_tokens, model, upstream).observe(prompt)
+            inc(self._c(self.prompt_tokens, model, upstream, client), prompt)
+            observe(self._c(self.req_prompt_tokens, model, upstream), prompt)
         if ex.cached_tokens is not None:  # 0 too: the upstream reports them
-            self._c(self.cached_tokens, model, upstream, client).inc(ex.cached_tokens)
+            inc(self._c(self.cached_tokens, model, upstream, client), ex.cached_tokens)
         if not route_of(ex.route).generation:
             return
         completion = ex.output_tokens
-        self._c(self.completion_tokens, model, upstream, client).inc(completion)
-        self._c(self.req_completion_tokens, model, upstream).observe(completion)
+        inc(self._c(self.completion_tokens, model, upstream, client), completion)
+        observe(self._c(self.req_completion_tokens, model, upstream), completion)
         if ex.reasoning_tokens is not None:
-            self._c(self.reasoning_tokens, model, upstream, client).inc(ex.reasoning_tokens)
+            inc(self._c(self.reasoning_tokens, model, upstream, client), ex.reasoning_tokens)
         if ex.completion_tokens is None:
-            self._c(self.estimated, model, upstream).inc()
+            inc(self._c(self.estimated, model, upstream))
 
     def answered(self, answer: LocalAnswer) -> None:
-        self._c(self.answered_total, answer.route, str(answer.status)).inc()
+        inc(self._c(self.answered_total, answer.route, str(answer.status)))
 
     def _spend(self, ex: Exchange, model: str, upstream: str, client: str) -> None:
         """ex.cost was set by the spend observer (proxy/observe/spend.py), which runs before this one."""
         if ex.cost is not None:
-            self._c(self.spend, model, upstream, client).inc(ex.cost)
+            inc(self._c(self.spend, model, upstream, client), ex.cost)
             if client not in self._budgeted:
                 self._set_budget(client)
         elif ex.unpriced:
@@ -478,10 +443,12 @@ class Metrics(Observer):
         """Called by the loop detector (proxy/observe/repetition.py) for an answer that repeats itself."""
         self._c(self.degenerate, self.model_label(ex.model)).inc()
 
-    def _exemplar(self, ex: Exchange) -> dict[str, str] | None:
+    def _observe_traced(self, child: Any, value: float, ex: Exchange) -> None:
+        """With the request's trace id as the exemplar, where exemplars are on and it was traced."""
         if self.exemplars and ex.trace_id:
-            return {"trace_id": ex.trace_id}
-        return None
+            child.observe(value, {"trace_id": ex.trace_id})
+        else:
+            observe(child, value)
 
     def start_probes(self) -> None:
         """Inside the running loop, at start-up."""

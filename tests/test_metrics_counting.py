@@ -1,0 +1,79 @@
+"""The metrics' direct counting (proxy/observe/metrics/fast.py) exposes exactly what
+prometheus_client's own methods do, for any sequence of counts; and a prometheus_client whose
+private attributes changed is counted by its methods instead."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
+
+from proxy.observe.metrics import prometheus
+from proxy.observe.metrics.buckets import TTFT_BUCKETS
+from proxy.observe.metrics.fast import DIRECT, METHODS, Counting, direct_works
+from tests.promtext import samples
+
+VALUES = st.one_of(
+    st.sampled_from([0.0, *TTFT_BUCKETS[:-1]]),  # on a boundary: the bucket it belongs to
+    st.floats(-1.0, 1e5, allow_nan=False),
+    st.integers(0, 10**6).map(float),
+)
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("inc"), st.integers(0, 10**6)),
+        st.tuples(st.just("gauge"), st.integers(1, 5)),
+        st.tuples(st.just("observe"), VALUES),
+        st.tuples(st.just("many"), st.tuples(VALUES, st.integers(1, 300))),
+    ),
+    max_size=40,
+)
+
+
+def _count(counting: Counting, ops: list[tuple[str, Any]]) -> list[tuple[str, dict[str, str], float]]:
+    registry = CollectorRegistry()
+    counter = Counter("c", "c", ["m"], registry=registry).labels("x")
+    gauge = Gauge("g", "g", ["m"], registry=registry).labels("x")
+    histogram = Histogram("h", "h", ["m"], buckets=TTFT_BUCKETS, registry=registry).labels("x")
+    for op, arg in ops:
+        if op == "inc":
+            counting.inc(counter, arg)
+        elif op == "gauge":
+            counting.inc(gauge, arg)
+            counting.dec(gauge)
+        elif op == "observe":
+            counting.observe(histogram, arg)
+        else:
+            counting.observe_many(histogram, *arg)
+    return [s for s in samples(generate_latest(registry).decode()) if not s[0].endswith("_created")]
+
+
+@given(ops=OPS)
+@settings(max_examples=200, deadline=None)
+def test_direct_counting_exposes_what_the_methods_do(ops: list[tuple[str, Any]]) -> None:
+    assert prometheus.COUNTING is DIRECT  # the prometheus_client installed here: the fast path is in use
+    got, want = _count(DIRECT, ops), _count(METHODS, ops)
+    assert [s[:2] for s in got] == [s[:2] for s in want]
+    assert [s[2] for s in got] == pytest.approx([s[2] for s in want], rel=1e-9, abs=1e-6)
+
+
+def test_a_changed_prometheus_client_is_counted_by_its_methods() -> None:
+    class Renamed(Counter):  # a release that keeps a counter's value under another name
+        def _metric_init(self) -> None:
+            super()._metric_init()
+            self._total = self.__dict__.pop("_value")
+
+        def inc(self, amount: float = 1, exemplar: Any = None) -> None:
+            self._total.inc(amount)
+
+        def _child_samples(self) -> Any:
+            self._value = self._total
+            try:
+                return super()._child_samples()
+            finally:
+                del self._value
+
+    assert direct_works(Histogram, Counter, Gauge, values)
+    assert not direct_works(Histogram, Renamed, Gauge, values)
