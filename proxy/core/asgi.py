@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Protocol
 
@@ -69,6 +70,23 @@ def watch_disconnect(receive: Receive, on_gone: Callable[[], object]) -> Watcher
         on_gone()
 
     return asyncio.create_task(watch())
+
+
+# `async with deadline(seconds)`: a request's deadlines are often none (total, a plain answer's
+# TTFT), and asyncio.timeout(None) still costs its Timeout, the task lookup and two reschedules.
+_NO_DEADLINE = contextlib.nullcontext()
+
+
+def deadline(seconds: float | None) -> contextlib.AbstractAsyncContextManager[object]:
+    """asyncio.timeout(seconds), or nothing at all when there is none."""
+    return _NO_DEADLINE if seconds is None else asyncio.timeout(seconds)
+
+
+def body_arrived(receive: Receive) -> bool:
+    """Whether the request's whole body is already in the server's hands, so that reading it cannot
+    wait: uvicorn's cycle and infertap's raw cycle both keep `more_body`, False once llhttp has
+    seen the message's end. Anything else (a test's receive) reads as not arrived."""
+    return getattr(getattr(receive, "__self__", None), "more_body", True) is False
 
 
 def header(scope: Scope, name: bytes) -> str | None:

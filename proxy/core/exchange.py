@@ -6,6 +6,7 @@ can never disagree about a request's TTFT or TPOT.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -40,11 +41,16 @@ def prompt_class(tokens: int, bounds: tuple[int, ...] = DEFAULT_PROMPT_CLASS_BOU
     TTFT grows with the prompt, so comparing TTFT within a class tells a regression apart
     from prompts merely getting longer.
     """
-    names = [_short(b) for b in bounds]
+    names = _names(bounds)
     for i, bound in enumerate(bounds):
         if tokens < bound:
             return f"<{names[0]}" if i == 0 else f"{names[i - 1]}-{names[i]}"
     return f">{names[-1]}"
+
+
+@functools.cache  # the configured bounds: one or two tuples a process
+def _names(bounds: tuple[int, ...]) -> list[str]:
+    return [_short(b) for b in bounds]
 
 
 def _short(n: int) -> str:

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.core.asgi import RawHeaders
+from proxy.core.asgi import RawHeaders, deadline
 from proxy.core.error_bodies import MAX_ERROR_BODY, openai_error_body
 from proxy.core.errors import ERRORS, ErrorKind, Phase, UpstreamError, failure_message
 from proxy.core.exchange import Exchange
@@ -142,7 +142,7 @@ class Attempter:
         ready: Ready | None = None
         phase = Phase.HEADERS
         try:
-            async with asyncio.timeout(up.ttft_timeout if generation_stream else None):
+            async with deadline(up.ttft_timeout if generation_stream else None):
                 resp = await self.client.send(
                     ex.method,
                     url,

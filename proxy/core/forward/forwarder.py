@@ -27,6 +27,8 @@ from proxy.core.asgi import (
     Scope,
     Send,
     Watcher,
+    body_arrived,
+    deadline,
     read_body,
     send_error,
 )
@@ -144,7 +146,8 @@ class Forwarder:
         suffix: str,
     ) -> None:
         try:
-            async with asyncio.timeout(self.body_timeout):
+            # A body that has all arrived (most: it comes with the head) needs no deadline.
+            async with deadline(None if body_arrived(receive) else self.body_timeout):
                 body = await read_body(receive, self.max_body_bytes)
         except TimeoutError:
             # A body that trickles in (or never comes) holds a connection and a task: it has a deadline

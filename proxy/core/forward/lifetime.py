@@ -10,7 +10,7 @@ import logging
 import time
 from typing import Any, Protocol
 
-from proxy.core.asgi import Receive, Send, Watcher, send_error, watch_disconnect
+from proxy.core.asgi import Receive, Send, Watcher, deadline, send_error, watch_disconnect
 from proxy.core.errors import ERRORS, ErrorKind, Phase, describe, failure_message
 from proxy.core.exchange import Exchange, Outcome
 from proxy.core.forward.attempts import Call
@@ -55,7 +55,7 @@ async def guarded(runner: Runner, receive: Receive, send: Send, call: Call) -> N
     total = call.upstream.total_timeout
     runner.tasks.add(task)
     try:
-        async with asyncio.timeout(None if total is None else total - (time.perf_counter() - ex.received_at)):
+        async with deadline(None if total is None else total - (time.perf_counter() - ex.received_at)):
             await runner.run(send, call, watcher)
     except TimeoutError:
         whole = _whole(call)

@@ -68,7 +68,9 @@ class UIObserver(Observer):
         self.rng = random.Random(0)
         self.seconds = SecondRing(self.steps * self.step + 1)
         self.latency: dict[str, StepRing] = {}
-        self.recent: deque[dict[str, Any]] = deque(maxlen=ui.recent_requests)
+        # The last requests, as they ended: a tuple each (in _ROW's order), made a row (a dict)
+        # only when the page asks. Not the Exchange itself: it holds the parsed request body.
+        self.recent: deque[tuple[Any, ...]] = deque(maxlen=ui.recent_requests)
         self.started = clock()
         self.in_flight = 0
         self.in_flight_by: dict[str, int] = {up.name: 0 for up in settings.upstreams}
@@ -138,26 +140,27 @@ class UIObserver(Observer):
             second.completion_tokens += completion
             self.prompt_tokens += prompt
             self.completion_tokens += completion
+        rejected = ex.outcome is Outcome.REJECTED
         self.recent.append(
-            {
-                "time": self.wall(),  # when it ended: the table's order
-                "started": ex.started_unix_ns / 1e9,
-                "request_id": ex.request_id,
-                "model": (ex.model or "")[:MAX_MODEL_CHARS],
-                "upstream": upstream,
-                "route": ex.route,
-                "stream": ex.stream,
-                "outcome": outcome,
-                "status": ex.status_code,
-                "ttft": ttft,
-                "tpot": ex.tpot,
-                "decode": ex.decode_time,
-                "duration": ex.duration,
-                "prompt_tokens": prompt if ex.outcome is not Outcome.REJECTED else None,
-                "completion_tokens": completion if ex.outcome is not Outcome.REJECTED else None,
-                "tokens_estimated": ex.completion_tokens is None,
-                "retries": ex.retries,
-            }
+            (
+                self.wall(),  # when it ended: the table's order
+                ex.started_unix_ns / 1e9,
+                ex.request_id,
+                (ex.model or "")[:MAX_MODEL_CHARS],
+                upstream,
+                ex.route,
+                ex.stream,
+                outcome,
+                ex.status_code,
+                ttft,
+                ex.tpot,
+                ex.decode_time,
+                ex.duration,
+                None if rejected else prompt,
+                None if rejected else completion,
+                ex.completion_tokens is None,
+                ex.retries,
+            )
         )
 
     def _step(self, model: str, at: float, now: float) -> Step:
@@ -193,7 +196,7 @@ class UIObserver(Observer):
             "series": {"t": t, **self._rates(steps, now)},
             "latency": latency,
             "other_models": others,
-            "requests": list(reversed(self.recent)),
+            "requests": [dict(zip(_ROW, row, strict=True)) for row in reversed(self.recent)],
             "upstreams": self._upstreams(),
             "config": self.config,
             "config_reloaded_at": self.reloaded_at,
@@ -332,3 +335,25 @@ class UIObserver(Observer):
                 rows[-1]["balance"] = up.balance
                 rows[-1]["replicas"] = pools[up.name]
         return rows
+
+
+# The fields of a row of the last-requests table, in the order `ended` records them.
+_ROW = (
+    "time",
+    "started",
+    "request_id",
+    "model",
+    "upstream",
+    "route",
+    "stream",
+    "outcome",
+    "status",
+    "ttft",
+    "tpot",
+    "decode",
+    "duration",
+    "prompt_tokens",
+    "completion_tokens",
+    "tokens_estimated",
+    "retries",
+)
