@@ -42,6 +42,7 @@ from proxy.core.forward.intake import RequestRejected, affinity_key, fill_record
 from proxy.core.forward.lifetime import guarded
 from proxy.core.forward.relay import (
     relay_committed,
+    relayed_length,
     response_headers,
     status_outcome,
     take_facts,
@@ -394,6 +395,8 @@ class Forwarder:
                 headers = response_headers(resp.raw_headers, is_sse, call.rid, up.response_policy)
                 if ready.prefetched is not None:
                     headers = whole_body_headers(headers, ready.prefetched, ready.reshaped)
+                elif not is_sse:
+                    headers.extend(relayed_length(resp.raw_headers, resp.status))
                 await send({"type": "http.response.start", "status": resp.status, "headers": headers})
             facts, outcome = await relay_committed(send, call, ready, self.observers, outcome)
             read_all = True

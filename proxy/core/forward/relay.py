@@ -48,6 +48,27 @@ def whole_body_headers(headers: RawHeaders, body: bytes, reshaped: bool) -> RawH
     return headers
 
 
+def relayed_length(raw: Iterable[tuple[bytes, bytes]], status: int) -> RawHeaders:
+    """A plain body relayed byte for byte keeps the length its upstream framed it with: the client
+    learns where it ends (a body cut short then shows as such), and the head and a small body go
+    out in one write, with no chunked framing after them. Only a single, plain Content-Length, on
+    an answer that has a body, with no Transfer-Encoding beside it (the HTTP client framed the body
+    by it, so the body relayed is exactly that long or ends in a failure, which aborts the
+    connection); anything else is sent chunked."""
+    if status < 200 or status in (204, 304):
+        return []
+    found: bytes | None = None
+    for k, v in raw:
+        name = k.lower()
+        if name == b"content-length":
+            if found is not None or not v.isdigit():
+                return []
+            found = v
+        elif name == b"transfer-encoding":
+            return []
+    return [] if found is None else [(b"content-length", found)]
+
+
 async def relay_committed(
     send: Send, call: Call, ready: Ready, obs: ObserverSet, outcome: Outcome
 ) -> tuple[StreamFacts, Outcome]:
