@@ -111,6 +111,10 @@ class Observer:
         """Called once at shutdown."""
 
 
+def _failed(observer: Observer, hook: str) -> None:
+    log.exception("observer %s failed in %s; the request goes on", observer.name, hook)
+
+
 def _safe(observer: Observer, hook: str) -> Callable[..., None]:
     method: Callable[..., None] = getattr(observer, hook)
 
@@ -118,7 +122,7 @@ def _safe(observer: Observer, hook: str) -> Callable[..., None]:
         try:
             method(*args)
         except Exception:
-            log.exception("observer %s failed in %s; the request goes on", observer.name, hook)
+            _failed(observer, hook)
 
     return call
 
@@ -140,6 +144,9 @@ class ObserverSet:
             ]
             for hook in HOOKS
         }
+        # `chunk` comes once per upstream read of a stream: its observers' methods are called
+        # straight from the loop's own try, without the wrapper frame the other hooks have.
+        self._chunk = [(o, o.chunk) for o in self.observers if type(o).chunk is not Observer.chunk]
 
     def request_received(self, ex: Exchange) -> None:
         for call in self._calls["request_received"]:
@@ -162,8 +169,11 @@ class ObserverSet:
             call(ex)
 
     def chunk(self, ex: Exchange, gap: float, count: int) -> None:
-        for call in self._calls["chunk"]:
-            call(ex, gap, count)
+        for o, call in self._chunk:
+            try:
+                call(ex, gap, count)
+            except Exception:
+                _failed(o, "chunk")
 
     def finished(self, ex: Exchange) -> None:
         for call in self._calls["finished"]:

@@ -18,6 +18,10 @@ import orjson
 from proxy.core.errors import ErrorKind, UpstreamError
 from proxy.core.stream_facts import StreamFacts, absorb_response, absorb_responses_event
 
+# Substrings are looked for with bytes.find, never `in`: `sub in data` first tries `sub` as an
+# integer (a byte value), and the TypeError it raises and clears costs more than the search (about
+# 5,000 instructions each, once or twice an event).
+
 # An event still incomplete past this many bytes ends the stream: it bounds what one stream holds
 # (a 50 MB line took 140 MB), and it is how a stream that never writes a blank line (so cannot be
 # framed into events) ends, with an error, instead of being held whole.
@@ -73,9 +77,10 @@ def event_data(event: bytes) -> bytes:
     return b"\n".join(_DATA_PREFIX.sub(b"", ln) for ln in lines)
 
 
-def _last_boundary(buf: bytes | bytearray, start: int = 0) -> int:
-    """Index just past the last complete event in `buf` (searching from `start`), or 0."""
-    if buf.find(b"\r", start) < 0:  # the common case, LF only: one C-speed search
+def _last_boundary(buf: bytes | bytearray, start: int = 0, cr: int | None = None) -> int:
+    """Index just past the last complete event in `buf` (searching from `start`), or 0. `cr`: where
+    the caller found buf's first CR from `start` (-1: none), when it looked already."""
+    if (buf.find(b"\r", start) if cr is None else cr) < 0:  # the common case, LF only: one C-speed search
         lf = buf.rfind(b"\n\n", start)
         return lf + 2 if lf >= 0 else 0
     end = last = 0
@@ -141,16 +146,18 @@ class SSEScanner:
             if not chunk:
                 return b"", 0
             end = len(chunk)
+            cr = chunk.find(b"\r")
         else:
-            end = _last_boundary(chunk)
+            cr = chunk.find(b"\r")  # once: _last_boundary and the one-event check both need it
+            end = _last_boundary(chunk, 0, cr)
             if end == 0:
                 self._hold(chunk)
                 return b"", 0
             if end < len(chunk):
                 self._hold(chunk[end:])
                 chunk = chunk[:end]
-        if chunk.find(b"\n\n") + 2 == end and b"\r" not in chunk:
-            # The common case: exactly one event in this chunk.
+        if (cr < 0 or cr >= end) and chunk.find(b"\n\n") + 2 == end:
+            # The common case: exactly one event in this chunk (and no CR in it).
             outputs, keep = self._inspect(chunk)
             if not keep:
                 return b"", outputs
@@ -227,7 +234,7 @@ class SSEScanner:
         i = event.rfind(b',"usage":null')
         if i >= 0 and event[i + 13] in b",}":  # compact, after another member: OpenAI's and vLLM's
             if self._native_null is None:
-                self._native_null = b'"matched_stop"' in event
+                self._native_null = event.find(b'"matched_stop"') >= 0
                 if self._native_null:
                     return event
             return event[:i] + event[i + 13 :]
@@ -241,7 +248,7 @@ class SSEScanner:
         if m is None:
             return event
         if self._native_null is None:
-            self._native_null = b'"matched_stop"' in event
+            self._native_null = event.find(b'"matched_stop"') >= 0
             if self._native_null:
                 return event
         k = i - 1
@@ -273,18 +280,20 @@ class SSEScanner:
         if _carries_output(event):
             if not facts.answered:
                 facts.answered = _carries_answer(event)
+            # Per output event, so the checks are written out (each _has is a call more): the
+            # first event, text to capture, a finish reason, usage.
             if (
                 facts.events == 1
-                or facts.wants_text()
-                or _has(event, b'"finish_reason"', _FINISH)
-                or _has(event, b'"usage"', _USAGE)
+                or facts.text_chars < facts.capture_chars
+                or ((i := event.find(b'"finish_reason"')) >= 0 and _FINISH.match(event, i) is not None)
+                or ((i := event.find(b'"usage"')) >= 0 and _USAGE.match(event, i) is not None)
             ):
                 self._parse(event)
             return 1, True
-        if b"[DONE]" in event and event_data(event).strip() == b"[DONE]":
+        if event.find(b"[DONE]") >= 0 and event_data(event).strip() == b"[DONE]":
             facts.done = True
             return 0, True
-        if b'"error"' in event:
+        if event.find(b'"error"') >= 0:
             facts.error_events += 1
             return 0, True
         if _has(event, b'"usage"', _USAGE):
@@ -361,7 +370,7 @@ def split_comments(events: bytes) -> tuple[bytes, bytes]:
     """(the comment-only events in `events`, the rest), each in order: `events` is complete events,
     as `SSEScanner.feed` returns them. A comment-only event is one whose every line starts with `:`
     (an upstream's `: keep-alive`): no client acts on it, so it may go out before the events held."""
-    if b":" not in events:
+    if events.find(b":") < 0:
         return b"", events
     comments: list[bytes] = []
     rest: list[bytes] = []
@@ -381,7 +390,7 @@ def split_comments(events: bytes) -> tuple[bytes, bytes]:
 
 def _event_ends(chunk: bytes) -> list[int]:
     """Offsets just past each event separator in `chunk`."""
-    if b"\r" in chunk:
+    if chunk.find(b"\r") >= 0:
         return [m.end() for m in _BLANK.finditer(chunk)]
     ends = []
     i = chunk.find(b"\n\n")

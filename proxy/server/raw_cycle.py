@@ -249,8 +249,14 @@ class RawCycle:
 
     # -- a relay driven by the upstream's callbacks (the seam's `Sink`) ----------------------------
     def push(self, body: bytes) -> None:
-        if not self.disconnected and not self.response_complete:
-            self.write(body, True)
+        if self.disconnected or self.response_complete:
+            return
+        if self.chunked and self._head is None and body:
+            # A stream's event after its first (the head gone): write's chunked case, written out,
+            # as this runs once per upstream read.
+            self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+            return
+        self.write(body, True)
 
     def attach(self, pause: Callable[[], None], resume: Callable[[], None]) -> None:
         self._on_pause = pause
