@@ -64,11 +64,13 @@ class EdgeProtocol(RawRoutesProtocol):
         self._head_seen = 0
         self._headers_seen = 0
         self._head_timer: asyncio.TimerHandle | None = None
+        self._head_began = 0.0  # loop.time() when the current head's first byte came
         self._write_timer: asyncio.TimerHandle | None = None
 
     # -- the connection ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._head_began = self.loop.time()
         if len(self.connections) > self.limits.max_connections:
             log.warning(
                 "connection refused: %d connections are open (max_connections)", len(self.connections) - 1
@@ -115,7 +117,8 @@ class EdgeProtocol(RawRoutesProtocol):
     # -- the head's deadline ----------------------------------------------------------------
     def _arm_head_timer(self) -> None:
         self._disarm_head_timer()
-        self._head_timer = self.loop.call_later(self.limits.head_timeout, self._head_timed_out)
+        due = self._head_began + self.limits.head_timeout
+        self._head_timer = self.loop.call_at(due, self._head_timed_out)
 
     def _disarm_head_timer(self) -> None:
         if self._head_timer is not None:
@@ -130,6 +133,14 @@ class EdgeProtocol(RawRoutesProtocol):
 
     # -- the head's size --------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
+        self._receive(data)
+        # A keep-alive connection's next head gets its deadline only when this read left it
+        # incomplete: most arrive whole in one read, and a timer armed and cancelled in the same
+        # callback would cost every request for nothing.
+        if self._in_head and self._head_timer is None and not self.transport.is_closing():
+            self._arm_head_timer()
+
+    def _receive(self, data: bytes) -> None:
         if not self._in_head:
             super().data_received(data)
             return
@@ -162,7 +173,7 @@ class EdgeProtocol(RawRoutesProtocol):
         if not self._in_head:  # a keep-alive connection's next request: its own head, its own deadline
             self._in_head = True
             self._head_seen = 0
-            self._arm_head_timer()
+            self._head_began = self.loop.time()  # the deadline is armed if the read ends in the head
         self._headers_seen = 0
 
     def on_url(self, url: bytes) -> None:

@@ -54,12 +54,14 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """utime + stime of live processes (all their threads), summed."""
+def cpu_seconds(pids: list[int], main_thread: bool = False) -> float:
+    """utime + stime of live processes (all their threads; `main_thread`: each one's first thread
+    only, where its event loop runs, without the OTLP exporter's), summed."""
     total = 0
     for pid in pids:
+        stat = f"/proc/{pid}/task/{pid}/stat" if main_thread else f"/proc/{pid}/stat"
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+            fields = Path(stat).read_text().rpartition(")")[2].split()
         except OSError:
             continue
         total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat(5)

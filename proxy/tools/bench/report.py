@@ -37,9 +37,10 @@ class Acc:
     gaps: list[float] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
     cpu_s: float | None = None
+    main_cpu_s: float | None = None  # the processes' first threads (the event loops) only
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def add(self, r: JobResult, cpu_s: float | None) -> None:
+    def add(self, r: JobResult, cpu_s: float | None, main_cpu_s: float | None = None) -> None:
         self.requests += r.requests
         self.ok += r.ok
         self.wall_s += r.wall_s
@@ -50,6 +51,8 @@ class Acc:
         self.errors.update(r.errors)
         if cpu_s is not None:
             self.cpu_s = (self.cpu_s or 0.0) + cpu_s
+        if main_cpu_s is not None:
+            self.main_cpu_s = (self.main_cpu_s or 0.0) + main_cpu_s
 
 
 def _ms(values: Sequence[float]) -> dict[str, float] | None:
@@ -93,6 +96,9 @@ def make_row(
         "e2e_ms": _ms(acc.e2e),
         "gap_ms": _ms(acc.gaps),
         "cpu_ms_per_request": acc.cpu_s * 1000 / acc.ok if acc.cpu_s is not None and acc.ok else None,
+        "main_thread_cpu_ms_per_request": (
+            acc.main_cpu_s * 1000 / acc.ok if acc.main_cpu_s is not None and acc.ok else None
+        ),
         **acc.extra,
     }
     if direct is not None and target != DIRECT:

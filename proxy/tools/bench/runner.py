@@ -26,7 +26,7 @@ from proxy.tools.bench.processes import (
     reset_peak_rss,
     status_mb,
 )
-from proxy.tools.bench.report import DIRECT, NGINX, VLLM_ROUTER, Acc, make_row, median_row
+from proxy.tools.bench.report import DIRECT, NGINX, VLLM_ROUTER, Acc, make_row, median_row, ratio
 from proxy.tools.bench.scenarios import (
     BENCH_KEY,
     DEAD_COLLECTOR,
@@ -170,7 +170,7 @@ class Bench:
         assert self.loadgen is not None and self.upstream is not None
         proxy = self.proxies.get(target)
         pids = proxy.refresh_pids() if proxy else []
-        cpu0 = cpu_seconds(pids)
+        cpu0, main0 = cpu_seconds(pids), cpu_seconds(pids, main_thread=True)
         self.loadgen.start(job)
         if phase.hold and acc is not None and proxy is not None:
             acc.extra.update(self._held(phase, pids))
@@ -178,9 +178,9 @@ class Bench:
         result = self.loadgen.result(job.timeout_s * max(1, job.count // job.concurrency) + arrivals + 60)
         if target == TRACED:
             self._settle_traces()
-        cpu1 = cpu_seconds(pids)
+        cpu1, main1 = cpu_seconds(pids), cpu_seconds(pids, main_thread=True)
         if acc is not None:
-            acc.add(result, cpu1 - cpu0 if proxy else None)
+            acc.add(result, cpu1 - cpu0 if proxy else None, main1 - main0 if proxy else None)
 
     def _nofile_note(self, target: str, streams: int) -> str:
         """infertap started with the soft open-file limit the bench was given: did it raise it?"""
@@ -284,6 +284,7 @@ class Bench:
             notes.append(f"OTLP sink received {stats['trace_posts']} exports, {stats['trace_bytes']} bytes")
             if not stats["trace_posts"]:
                 notes.append("tracing: no spans arrived at the sink; is the OTLP exporter installed?")
+            notes.extend(_tracing_threads(rows))
         if NGINX in sc.targets:
             notes.append("nginx: proxy_buffering off, one worker on infertap's core, upstream keep-alive")
         if VLLM_ROUTER in sc.targets:
@@ -291,3 +292,24 @@ class Bench:
         if WORKERS in sc.targets:
             notes.append("--workers 2 is not pinned: its workers share both cores with the harness")
         return {"title": sc.title, "rows": rows, "notes": notes}
+
+
+def _tracing_threads(rows: list[dict[str, Any]]) -> list[str]:
+    """Where tracing's CPU goes: the event loop's thread (the span work per request, the target's)
+    and every thread (the exporter's batching and encoding too)."""
+    by = {(r["phase"], r["target"]): r for r in rows}
+    out = []
+    for (phase, target), traced in by.items():
+        plain = by.get((phase, "infertap"))
+        if target != TRACED or plain is None:
+            continue
+        loop = ratio(
+            traced.get("main_thread_cpu_ms_per_request"), plain.get("main_thread_cpu_ms_per_request")
+        )
+        every = ratio(traced.get("cpu_ms_per_request"), plain.get("cpu_ms_per_request"))
+        if loop is not None and every is not None:
+            out.append(
+                f"tracing, {phase}: CPU per request on / off {loop:.2f}x in the event loop's thread, "
+                f"{every:.2f}x in all threads (the exporter's included)"
+            )
+    return out
