@@ -57,8 +57,8 @@ def watch_disconnect(receive: Receive, on_gone: Callable[[], object]) -> Watcher
     Where `receive` is a bound method of an object that can watch its connection itself (the raw
     cycle's `watch_disconnect`: a callback from the protocol's `connection_lost`), that does it;
     anywhere else (uvicorn's ASGI cycle, a test driving the app through ASGI) a task reads what is
-    left of the request until `http.disconnect`. The task costs a task per request (created,
-    scheduled, cancelled), about a twentieth of a small request's work in infertap."""
+    left of the request until `http.disconnect`: a task per request (created, scheduled, cancelled),
+    about 3% of a small request's instructions in infertap (docs/benchmarks.md)."""
     watch_itself = getattr(getattr(receive, "__self__", None), "watch_disconnect", None)
     if watch_itself is not None:
         watcher: Watcher = watch_itself(on_gone)
