@@ -173,7 +173,7 @@ def test_the_sdk_reads_a_stream_with_comments_and_a_timeout_shorter_than_ttft(
     rec = RecordingObserver()
     with run_proxy(settings, rec) as proxy:
         client = openai.OpenAI(
-            base_url=f"{proxy}/v1", api_key="unused", max_retries=0, timeout=httpx.Timeout(30, read=0.5)
+            base_url=f"{proxy}/v1", api_key="unused", max_retries=0, timeout=openai.Timeout(30, read=0.5)
         )
         with client:
             stream = client.chat.completions.create(
@@ -198,7 +198,7 @@ def test_with_first_token_a_client_timeout_shorter_than_ttft_fails(fake: tuple[F
     settings.timeouts.ttft = settings.timeouts.idle = 30
     with run_proxy(settings) as proxy:
         client = openai.OpenAI(
-            base_url=f"{proxy}/v1", api_key="unused", max_retries=0, timeout=httpx.Timeout(30, read=0.5)
+            base_url=f"{proxy}/v1", api_key="unused", max_retries=0, timeout=openai.Timeout(30, read=0.5)
         )
         with client, pytest.raises(openai.APITimeoutError):
             client.chat.completions.create(
