@@ -177,14 +177,17 @@ def test_quick_bench_reports_every_scenario(tmp_path: Path) -> None:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads CPU and RSS from /proc")
 def test_fleet_scenario_reports_every_row_from_the_engines_counters(tmp_path: Path) -> None:
     """`--scenario fleet` at tiny sizes: the rows, their columns from the sims' own /metrics, and the
-    issue's targets judged (structure only: no timing is asserted)."""
+    issue's targets judged (structure only: no timing is asserted). The kill workload's outcome is
+    asserted: its waits are on conditions (each with a deadline), not on time."""
     from proxy.tools.bench.fleet import BALANCE, fleet_targets
+    from proxy.tools.bench.fleet_kill import KILLED, kill_workload
+    from proxy.tools.bench.fleet_kill_rows import KILL_POLICIES
 
     out = tmp_path / "fleet.json"
     proc = subprocess.run(
         [sys.executable, "-m", "proxy", "bench", "--quick", "--scenario", "fleet", "--replicas", "2",
          "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=150,
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     report: dict[str, Any] = json.loads(out.read_text())
@@ -205,7 +208,21 @@ def test_fleet_scenario_reports_every_row_from_the_engines_counters(tmp_path: Pa
         assert "no vllm-router rows" in notes
     assert {t for p, t in rows if p == "chat"} == expected
     assert {t for p, t in rows if p == "skew"} == expected - {"oracle"}  # single turns: nothing to keep
+    kill = {t: row for (p, t), row in rows.items() if p == "kill"}
+    assert set(kill) == {f"infertap {p}" for p in KILL_POLICIES} & expected
+    for target, row in kill.items():
+        # Every request that had no token yet when its replica died went to the other one; the
+        # streams flowing from it ended with the error event; it was ejected, then readmitted.
+        assert row["failed_before_first_token"] == 0 and row["errors"] == 0, (target, row["error_kinds"])
+        assert row["ok"] + row["interrupted_with_error_event"] == row["requests"] > 0, target
+        assert row["ejected"] and row["readmitted"], (target, row)
+        assert min(row["served_after_restart"]) >= kill_workload(True, 2).served_after, (target, row)
+        assert len(row["load"]) == 2 and row["load"][KILLED] > 0, (target, row)
+        assert row["hit_rate"] is None and 0 < row["ttft_ms"]["p50"] <= row["ttft_ms"]["p99"], target
+        assert f"kill {target}: " in notes
     for (phase, target), row in rows.items():
+        if phase == "kill":
+            continue
         where = f"{phase} {target}"
         assert row["errors"] == 0 and row["ok"] == row["requests"] > 0, (where, row["error_kinds"])
         assert 0.0 <= row["hit_rate"] <= 1.0, where
@@ -216,4 +233,11 @@ def test_fleet_scenario_reports_every_row_from_the_engines_counters(tmp_path: Pa
     # Each conversation on one replica: its second turn finds its first turn's prompt cached.
     assert rows["chat", "oracle"]["hit_rate"] > 0
     assert [c["name"] for c in report["checks"]] == [t.name for t in fleet_targets()]
+    if kill:
+        checks = {c["name"]: c for c in report["checks"]}
+        assert checks["kill: requests failed before their first token"]["value"] == 0.0
+        assert checks["kill: the killed replica ejected and readmitted"]["value"] == 1.0
+        assert all(checks[n]["pass"] for n in checks if n.startswith("kill: ")), checks
     assert "== fleet" in proc.stdout and "prefix-cache hit rate" in proc.stdout
+    table = [ln for ln in proc.stdout.splitlines() if ln.split()[:1] == ["kill"]]  # the kill rows
+    assert sorted(t for t in kill if any(t in ln for ln in table)) == sorted(kill), proc.stdout

@@ -10,9 +10,13 @@ Columns: the sims' prefix-cache hit rate (vllm:prefix_cache_hits_total / queries
 over the row's run, summed over the replicas), TTFT p50/p95/p99 at the client, and the load per
 replica (requests each sim finished; max / mean).
 
-Workloads: `chat` (conversations whose history grows every turn, fleet_load.py) and `skew` (single
+Workloads: `chat` (conversations whose history grows every turn, fleet_load.py), `skew` (single
 turns of distinct prompts at a higher concurrency, replica 0 made 2x slower and every replica
-limited to a few sequences at once, so that a replica's queue shows in TTFT).
+limited to a few sequences at once, so that a replica's queue shows in TTFT) and, last, `kill`
+(infertap rows only, fleet_kill.py and fleet_kill_rows.py: streams through a fresh infertap while
+one sim is SIGKILLed and started again on its port; the client counts the requests that failed
+before their first token and the streams cut with the error event, infertap's /metrics show the
+replica ejected and readmitted; those figures are in a note under the table).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from proxy.sim.config import STEP_COSTS, SimConfig, slowed
+from proxy.tools.bench.fleet_kill import circuit_section, kill_workload
+from proxy.tools.bench.fleet_kill_rows import kill_targets, measure_kill
 from proxy.tools.bench.fleet_load import Outcome, Route, Workload, run_workload
 from proxy.tools.bench.processes import BenchError, Infertap, _popen, _stop
 from proxy.tools.bench.targets import Target
@@ -59,33 +65,39 @@ def workloads(quick: bool, replicas: int) -> tuple[Workload, Workload]:
 
 
 class Sim:
-    """`infertap sim` with a prefix cache of SIM_BLOCKS blocks, on a free port."""
+    """`infertap sim` with a prefix cache of SIM_BLOCKS blocks, on a free port (the same one again
+    when the kill workload starts it after killing it)."""
 
     def __init__(self, index: int, directory: Path) -> None:
-        config = directory / f"sim-{index}.toml"
-        config.write_text(
+        self.config = directory / f"sim-{index}.toml"
+        self.config.write_text(
             f"[kv_cache]\nnum_gpu_blocks = {SIM_BLOCKS}\n\n[sim]\nseed = {index}\naccept_any_model = true\n"
         )
-        cmd = [
-            sys.executable,
-            "-m",
-            "proxy",
-            "sim",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--config",
-            str(config),
-        ]
+        self.port = 0
+        self.spawn()
+        self.ready()
+
+    def spawn(self) -> None:
+        """Starts the process (on `self.port`: 0 the first time); ready() waits until it listens."""
+        cmd = [sys.executable, "-m", "proxy", "sim", "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd += ["--config", str(self.config)]
         self.proc = _popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def ready(self) -> None:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if "listening on " not in line:
-            _stop(self.proc)
+            self.close()
             raise BenchError(f"a simulated engine did not start (said {line!r}); try `infertap sim`")
         self.url = line.rsplit("listening on ", 1)[1].strip()  # http://127.0.0.1:PORT/v1
         self.port = int(self.url.rsplit(":", 1)[1].split("/", 1)[0])
+
+    def kill(self) -> None:
+        """SIGKILL, as a crashed engine: its connections reset, its streams cut mid-way."""
+        self.proc.kill()
+        self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
     def _request(self, method: str, path: str, body: bytes | None = None) -> bytes:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
@@ -119,12 +131,13 @@ class Sim:
             self.proc.stdout.close()
 
 
-def _pool_config(directory: Path, sims: list[Sim], policy: str) -> str:
-    path = directory / f"infertap-{policy}.toml"
+def _pool_config(directory: Path, sims: list[Sim], policy: str, name: str = "", extra: str = "") -> str:
+    """`extra`: more sections (the kill workload's [circuit])."""
+    path = directory / f"infertap-{name or policy}.toml"
     urls = ", ".join(json.dumps(s.url) for s in sims)
     path.write_text(
         '[server]\nhost = "127.0.0.1"\n\n[[upstreams]]\nname = "fleet"\nmodels = ["*"]\n'
-        f'replicas = [{urls}]\nbalance = "{policy}"\n'
+        f'replicas = [{urls}]\nbalance = "{policy}"\n{extra}'
     )
     return str(path)
 
@@ -264,6 +277,16 @@ def run_fleet(
         for i, sim in enumerate(fleet.sims):  # replica 0 on a slower GPU, and short queues
             sim.set_timing(SKEW_SLOWDOWN if i == 0 else 1.0, SKEW_MAX_SEQS)
         rows += fleet.measure(skew, rounds, salt=2)
+        default_seqs = SimConfig().batching.max_num_seqs
+        for sim in fleet.sims:  # as a restarted sim comes back
+            sim.set_timing(1.0, default_seqs)
+        kill = kill_workload(quick, replicas)
+
+        def config(policy: str) -> str:
+            return _pool_config(fleet.dir, fleet.sims, policy, f"kill-{policy}", circuit_section())
+
+        kill_rows, kill_notes = measure_kill(fleet.sims, config, kill, rounds, log)
+        rows += kill_rows
         notes = fleet.notes + [
             f"chat: {chat.conversations} conversations of a ~{chat.system_tokens}-token system prompt and "
             f"{chat.turns} turns, {chat.concurrency} at a time, arriving {chat.stagger_s:g} s apart on "
@@ -271,6 +294,7 @@ def run_fleet(
             f"skew: {skew.conversations} single turns of distinct ~{skew.system_tokens}-token prompts, "
             f"{skew.concurrency} at a time; replica 0 {SKEW_SLOWDOWN:g}x slower, max_num_seqs "
             f"{SKEW_MAX_SEQS} on every replica",
+            *kill_notes,
             "not pinned: the sims, the routers and the client share every core",
         ]
     finally:
@@ -317,4 +341,5 @@ def fleet_targets() -> list[Target]:
             "skew: least_request's TTFT p99 / round_robin's", "fleet", "x", 0.7, True,
             lambda r: _vs_round_robin(r, "skew", lr, "p99"),
         ),
+        *kill_targets(),
     ]  # fmt: skip
