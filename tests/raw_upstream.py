@@ -13,6 +13,8 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from tests import loop_thread
+
 # The raw bytes to write; or parts, where a threading.Event means: wait for it (up to 30 s) before
 # writing on (an upstream that waits for the client to have seen something).
 Answer = Callable[[str, dict[str, str]], bytes | list[bytes | threading.Event]]
@@ -60,15 +62,11 @@ def raw_upstream(answer: Answer, hold: Callable[[dict[str, str]], bool] | None =
 
     server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
     port = server.sockets[0].getsockname()[1]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
+    thread = loop_thread.start(loop)
     try:
         yield f"http://127.0.0.1:{port}/v1"
     finally:
-        loop.call_soon_threadsafe(server.close)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        loop.close()
+        loop_thread.stop(loop, thread, server)
 
 
 def chunked(status: str, content_type: str, body: bytes, cut: int | None = None, piece: int = 64) -> bytes:

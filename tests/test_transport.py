@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from proxy.core.errors import ErrorKind, UpstreamError
 from proxy.core.seam import Pool, Timeouts, UpstreamClient
 from proxy.transport import CLIENTS, H1Client
 from proxy.transport.h1_response import HIGH_WATER
+from tests import loop_thread
 from tests.conftest import make_settings, serve_in_thread
 from tests.promtext import scrape, value
 
@@ -222,8 +222,7 @@ def test_through_infertap_the_pool_race_is_no_retry_and_no_failure() -> None:
     )
     loop = asyncio.new_event_loop()
     srv = loop.run_until_complete(asyncio.start_server(up, "127.0.0.1", 0))
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
+    thread = loop_thread.start(loop)
     try:
         url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}/v1"
         settings = make_settings(("u", url))
@@ -235,10 +234,7 @@ def test_through_infertap_the_pool_race_is_no_retry_and_no_failure() -> None:
                 assert (r.status_code, r.content) == (200, body)
             text = scrape(proxy)
     finally:
-        loop.call_soon_threadsafe(srv.close)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.close()
+        loop_thread.stop(loop, thread, srv)
     assert value(text, "infertap_requests_total", upstream="u", outcome="ok") == 3
     assert value(text, "infertap_retries_total") == 0, "no retry counted"
     assert value(text, "infertap_upstream_attempts_total", upstream="u") == 3

@@ -33,6 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.core.exchange import Outcome
+from tests import loop_thread
 from tests.conftest import RecordingObserver, make_settings, run_proxy
 from tests.sse_read import sse_events
 
@@ -151,15 +152,11 @@ def upstream() -> Iterator[Upstream]:
 
     server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
     up.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
+    thread = loop_thread.start(loop)
     try:
         yield up
     finally:
-        loop.call_soon_threadsafe(server.close)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        loop.close()
+        loop_thread.stop(loop, thread, server)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ KILL_POLICIES = ("least_request", "prefix_affinity")
 _ERRORS_AFTER_TOKENS = "after tokens: "
 
 
-def _med(values: list[float | None]) -> float | None:
+def _med(values: Sequence[float | None]) -> float | None:
     xs = [v for v in values if v is not None]
     return statistics.median(xs) if xs else None
 
@@ -54,7 +54,7 @@ def kill_row(target: str, runs: list[KillOutcome]) -> dict[str, Any]:
         "hit_rate": None,  # distinct single turns: nothing to cache
         "ttft_ms": {f"p{q}": _med([t[q] for t in ttfts]) for q in (50, 95, 99)} if ttfts else None,
         "load": [_med([r.load[i] for r in runs]) for i in range(len(runs[0].load))],
-        "load_max_over_mean": _med(list(ratios)),
+        "load_max_over_mean": _med(ratios),
         "spread": {"ttft_p50": [min(p50s), max(p50s)]} if p50s else {},
     }
 
