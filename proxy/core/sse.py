@@ -125,6 +125,24 @@ class SSEScanner:
     def feed(self, chunk: bytes) -> tuple[bytes, int]:
         """The complete events now available (as sent, less what is stripped) and how many carry
         output. Raises UpstreamError when the stream breaks a limit (MAX_EVENT_BYTES, MAX_HELD_BYTES)."""
+        # A paced stream's every read after its first output: exactly one whole event, LF-framed,
+        # nothing held before it. Judged here, two calls deep, not five (this runs once a token).
+        if (
+            self._held < 0
+            and not self._tail
+            and chunk.find(b"\r") < 0
+            and chunk.find(b"\n\n") + 2 == len(chunk) > 2  # not found (-1) in a 1-byte chunk is no match
+        ):
+            outputs, keep = self._inspect(chunk)
+            if not keep:
+                return b"", outputs
+            if self._strip_usage_only:
+                return self._without_null_usage(chunk), outputs
+            return chunk, outputs
+        return self._feed_counted(chunk)
+
+    def _feed_counted(self, chunk: bytes) -> tuple[bytes, int]:
+        """feed's general case, counting what is held before the first output event."""
         if self._held >= 0:
             out, outputs = self._feed(chunk)
             if outputs:
@@ -277,16 +295,29 @@ class SSEScanner:
         """(1 if the event carries output else 0, whether to forward it)."""
         facts = self.facts
         facts.events += 1
-        if _carries_output(event):
+        # A compact non-empty `"content":"` (how OpenAI, vLLM and SGLang write a delta) is output
+        # and an answer, without a pattern; anything else takes the patterns.
+        i = event.find(b'"content":"')
+        compact = i >= 0 and event[i + 11 : i + 12] != b'"'
+        if compact or _carries_output(event):
             if not facts.answered:
-                facts.answered = _carries_answer(event)
+                facts.answered = compact or _carries_answer(event)
             # Per output event, so the checks are written out (each _has is a call more): the
-            # first event, text to capture, a finish reason, usage.
+            # first event, text to capture, a finish reason, usage. A `:null` (every chunk of
+            # OpenAI's and vLLM's has both, null) is told apart by a byte comparison, not a pattern.
             if (
                 facts.events == 1
                 or facts.text_chars < facts.capture_chars
-                or ((i := event.find(b'"finish_reason"')) >= 0 and _FINISH.match(event, i) is not None)
-                or ((i := event.find(b'"usage"')) >= 0 and _USAGE.match(event, i) is not None)
+                or (
+                    (i := event.find(b'"finish_reason"')) >= 0
+                    and not event.startswith(b":null", i + 15)
+                    and _FINISH.match(event, i) is not None
+                )
+                or (
+                    (i := event.find(b'"usage"')) >= 0
+                    and not event.startswith(b":null", i + 7)
+                    and _USAGE.match(event, i) is not None
+                )
             ):
                 self._parse(event)
             return 1, True
