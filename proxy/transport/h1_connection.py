@@ -33,6 +33,11 @@ class H1Connection(asyncio.Protocol):
         self.loop = loop
         self.put = put  # back to the origin's idle connections
         self.transport: asyncio.Transport | None = None
+        # llhttp's body callback is this list's own append (httptools binds each callback once, when
+        # the parser is made): a read's body pieces are collected without a Python frame each, and
+        # handed to the answer once per read (_hand_over).
+        self.bodies: list[bytes] = []
+        self.on_body = self.bodies.append
         self.parser = httptools.HttpResponseParser(self)
         self.resp: H1Response | None = None
         self.head: asyncio.Future[None] | None = None
@@ -96,8 +101,8 @@ class H1Connection(asyncio.Protocol):
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
             self._end(h1_errors.error(e))
             self.close()
-        if resp._pipe is not None:  # a piped answer takes the read's body at once (h1_response.py)
-            resp.flush()
+        if self.bodies:
+            resp.take(self.bodies)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.resp.raw_headers.append((name, value))  # type: ignore[union-attr]
@@ -120,10 +125,6 @@ class H1Connection(asyncio.Protocol):
         if self.head_only:
             self._complete(keep_alive=False)
 
-    def on_body(self, body: bytes) -> None:
-        if self.resp is not None:
-            self.resp.feed(body)
-
     def on_message_complete(self) -> None:
         if self.interim:
             self.interim = False
@@ -137,6 +138,8 @@ class H1Connection(asyncio.Protocol):
         self.resp = None
         self.keep_alive = keep_alive
         self._stop_timer()
+        if self.bodies:  # what this read held of the body goes before its end
+            resp.take(self.bodies)
         resp.finish()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -183,7 +186,10 @@ class H1Connection(asyncio.Protocol):
         if head is not None and not head.done():
             head.set_exception(err)
         elif resp is not None:
+            if self.bodies:  # what arrived before the failure goes first
+                resp.take(self.bodies)
             resp.fail(err)
+        self.bodies.clear()
 
     def pause(self) -> None:
         if not self.paused and self.transport is not None:
@@ -214,6 +220,7 @@ class H1Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self.resp = None
+        self.bodies.clear()
         self._stop_timer()
         self.keep_alive = False
         if self.transport is not None and not self.closed:

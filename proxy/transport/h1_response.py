@@ -97,31 +97,27 @@ class H1Response:
         return self._headers
 
     # -- fed by the connection's protocol callbacks ----------------------------------------------
-    def feed(self, data: bytes) -> None:
+    def take(self, bodies: list[bytes]) -> None:
+        """One read's body pieces (llhttp's chunks: an event each, often), emptied from `bodies`: to
+        the pipe in one call (one scan and one write per read), or into the buffer."""
+        data = bodies[0] if len(bodies) == 1 else b"".join(bodies)
+        bodies.clear()
+        pipe = self._pipe
+        if pipe is not None:
+            try:
+                pipe(data)
+            except Exception as e:  # the consumer's failure ends the body (a scanner's limit)
+                self._settle(e)
+            return
         self._buf.append(data)
-        if self._pipe is not None:
-            return  # one read holds many llhttp chunks (an event each): one scan and write at its end
         self._size += len(data)
         if self._size > HIGH_WATER and self._conn is not None:
             self._conn.pause()
         self._wake()
 
-    def flush(self) -> None:
-        """The end of a read (the connection's data_received): what it held, to the pipe."""
-        buf = self._buf
-        pipe = self._pipe
-        if buf and pipe is not None:
-            data = buf[0] if len(buf) == 1 else b"".join(buf)
-            buf.clear()
-            try:
-                pipe(data)
-            except Exception as e:  # the consumer's failure ends the body (a scanner's limit)
-                self._settle(e)
-
     def finish(self) -> None:
         self.done = True
         if self._piped is not None:
-            self.flush()
             self._settle(None)
         self._wake()
 
@@ -129,7 +125,6 @@ class H1Response:
         if not self.done and self.exc is None:
             self.exc = exc
             if self._piped is not None:
-                self.flush()  # what arrived before the failure goes first, as chunks() yields it
                 self._settle(exc)
             self._wake()
 
