@@ -27,6 +27,7 @@ OPS = st.lists(
         st.tuples(st.just("gauge"), st.integers(1, 5)),
         st.tuples(st.just("observe"), VALUES),
         st.tuples(st.just("many"), st.tuples(VALUES, st.integers(1, 300))),
+        st.tuples(st.just("all"), st.lists(VALUES, min_size=1, max_size=50)),
     ),
     max_size=40,
 )
@@ -45,6 +46,8 @@ def _count(counting: Counting, ops: list[tuple[str, Any]]) -> list[tuple[str, di
             counting.dec(gauge)
         elif op == "observe":
             counting.observe(histogram, arg)
+        elif op == "all":
+            counting.observe_all(histogram, arg)
         else:
             counting.observe_many(histogram, *arg)
     return [s for s in samples(generate_latest(registry).decode()) if not s[0].endswith("_created")]

@@ -105,7 +105,7 @@ def observe(metrics: Metrics, rng: random.Random) -> dict[tuple[str, str], list[
             metrics.first_byte(ex)
             ex.first_token_at = ttft
             metrics.first_token(ex)
-            metrics.chunk(ex, gap, 1)
+            metrics.output_gaps(ex, [gap], 0)
             ex.last_token_at = ttft + tpot * (tokens - 1)
             ex.completion_tokens, ex.prompt_tokens = tokens, 10
             ex.finished_at, ex.outcome = ex.last_token_at, Outcome.OK

@@ -101,6 +101,12 @@ class Exchange:
     last_token_at: float | None = None
     finished_at: float | None = None
     output_events: int = 0
+    # Inter-token gaps not yet handed to the observers (proxy/core/hooks.py, output_gaps): the
+    # first event of each later read's gap; how many events came in the same read as another; and
+    # when the next hand-over is due.
+    gaps: list[float] = field(default_factory=list)
+    zero_gaps: int = 0
+    gaps_due: float = 0.0
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     # From the usage's details, when the upstream reports them (prompt_tokens_details.cached_tokens,

@@ -16,13 +16,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("infertap.observer")
 
+# How often a stream's inter-token gaps are handed to the observers (`output_gaps`): a hook per
+# token cost more than everything else infertap does per token; a histogram a second behind does not.
+GAPS_EVERY_S = 1.0
+
 HOOKS = (
     "request_received",
     "attempt_started",
     "retry",
     "first_byte",
     "first_token",
-    "chunk",
+    "output_gaps",
     "finished",
     "failed",
     "client_disconnected",
@@ -58,10 +62,12 @@ class Observer:
     def first_token(self, ex: Exchange) -> None:
         pass
 
-    def chunk(self, ex: Exchange, gap: float, count: int) -> None:
-        """`count` later output events handed to the client at once: the first `gap` seconds after
-        the previous one (the inter-token latency), the others with it (0 s: they arrived in the
-        same read). One call per read, not per event: a burst of events costs one hook."""
+    def output_gaps(self, ex: Exchange, gaps: list[float], zeros: int) -> None:
+        """The inter-token latencies of later output events, handed over together about once a
+        second (GAPS_EVERY_S) and before the request's terminal hook: `gaps`, the seconds between
+        the first event of each read and the event before it; `zeros`, how many events came in
+        the same read as another (0 s each). The list is the observer's to read, not to keep:
+        the fan-out hands each observer the same one."""
 
     def finished(self, ex: Exchange) -> None:
         pass
@@ -130,8 +136,8 @@ def _safe(observer: Observer, hook: str) -> Callable[..., None]:
 class ObserverSet:
     """Fans each hook out to the observers that implement it.
 
-    Per hook, only observers that override it are called, so a hook nobody cares about
-    (often `chunk`) costs one empty loop on the hot path.
+    Per hook, only observers that override it are called, so a hook nobody cares about costs one
+    empty loop.
     """
 
     def __init__(self, observers: Iterable[Observer] = ()) -> None:
@@ -144,9 +150,6 @@ class ObserverSet:
             ]
             for hook in HOOKS
         }
-        # `chunk` comes once per upstream read of a stream: its observers' methods are called
-        # straight from the loop's own try, without the wrapper frame the other hooks have.
-        self._chunk = [(o, o.chunk) for o in self.observers if type(o).chunk is not Observer.chunk]
 
     def request_received(self, ex: Exchange) -> None:
         for call in self._calls["request_received"]:
@@ -168,24 +171,31 @@ class ObserverSet:
         for call in self._calls["first_token"]:
             call(ex)
 
-    def chunk(self, ex: Exchange, gap: float, count: int) -> None:
-        for o, call in self._chunk:
-            try:
-                call(ex, gap, count)
-            except Exception:
-                _failed(o, "chunk")
+    def output_gaps(self, ex: Exchange, now: float) -> None:
+        """Hands the gaps `ex` holds to the observers (and empties them); the next go at `now` +
+        GAPS_EVERY_S."""
+        ex.gaps_due = now + GAPS_EVERY_S
+        gaps, zeros = ex.gaps, ex.zero_gaps
+        if gaps or zeros:
+            ex.gaps = []
+            ex.zero_gaps = 0
+            for call in self._calls["output_gaps"]:
+                call(ex, gaps, zeros)
 
     def finished(self, ex: Exchange) -> None:
+        self.output_gaps(ex, 0.0)
         for call in self._calls["finished"]:
             call(ex)
         self.ended(ex)
 
     def failed(self, ex: Exchange) -> None:
+        self.output_gaps(ex, 0.0)
         for call in self._calls["failed"]:
             call(ex)
         self.ended(ex)
 
     def client_disconnected(self, ex: Exchange) -> None:
+        self.output_gaps(ex, 0.0)
         for call in self._calls["client_disconnected"]:
             call(ex)
         self.ended(ex)

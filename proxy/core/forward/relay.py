@@ -13,7 +13,7 @@ from proxy.core.exchange import Exchange, Outcome
 from proxy.core.forward.attempts import Call, Ready
 from proxy.core.forward.intake import MAX_JSON_CAPTURE
 from proxy.core.headers import HeaderPolicy, returned_headers
-from proxy.core.hooks import ObserverSet
+from proxy.core.hooks import GAPS_EVERY_S, ObserverSet
 from proxy.core.seam import Piped, Sink
 from proxy.core.sse import SSEScanner
 from proxy.core.stream_facts import StreamFacts, absorb_response, usage_details, usage_tokens
@@ -110,11 +110,14 @@ async def relay_committed(
 
 
 def stamp_outputs(ex: Exchange, obs: ObserverSet, outputs: int, now: float) -> None:
-    """Record `outputs` output events handed to the client at `now`."""
+    """Record `outputs` output events handed to the client at `now`: the first token's hook at
+    once, the later gaps kept on the record and handed over about once a second (a stream's
+    token rate of hooks cost more than the rest of its per-token work)."""
     last = ex.last_token_at
     if last is None:
         ex.first_token_at = ex.last_token_at = now
         ex.output_events = 1
+        ex.gaps_due = now + GAPS_EVERY_S
         obs.first_token(ex)
         outputs -= 1
         if not outputs:
@@ -122,7 +125,11 @@ def stamp_outputs(ex: Exchange, obs: ObserverSet, outputs: int, now: float) -> N
         last = now  # the rest came with the first
     ex.last_token_at = now
     ex.output_events += outputs
-    obs.chunk(ex, now - last, outputs)
+    ex.gaps.append(now - last)
+    if outputs > 1:
+        ex.zero_gaps += outputs - 1
+    if now >= ex.gaps_due:
+        obs.output_gaps(ex, now)
 
 
 async def relay_sse(

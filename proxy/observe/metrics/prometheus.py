@@ -56,7 +56,7 @@ IN_FLIGHT = "infertap_in_flight_requests"
 # AttributeError per request.
 AT_ONCE = direct_works(Histogram, Counter, Gauge, values)
 COUNTING = DIRECT if AT_ONCE else METHODS
-inc, dec, observe, observe_many = COUNTING
+inc, dec, observe, observe_many, observe_all = COUNTING
 if not AT_ONCE:
     logging.getLogger("infertap.metrics").warning(
         "prometheus_client %s: every observation takes its own methods, and a burst of output "
@@ -364,11 +364,12 @@ class Metrics(Observer):
             if overhead is not None:
                 observe(self._first_token, overhead)
 
-    def chunk(self, ex: Exchange, gap: float, count: int) -> None:
+    def output_gaps(self, ex: Exchange, gaps: list[float], zeros: int) -> None:
         itl = ex.scratch["metrics.itl"]
-        observe(itl, gap)
-        if count > 1:
-            observe_many(itl, 0.0, count - 1)
+        if gaps:
+            observe_all(itl, gaps)
+        if zeros:
+            observe_many(itl, 0.0, zeros)
 
     def ended(self, ex: Exchange) -> None:
         model, routed = ex.scratch["metrics"]
