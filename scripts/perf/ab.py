@@ -47,7 +47,9 @@ def main() -> None:
     trees = [arg.split("=", 1) for arg in sys.argv[3:]]
     up, lg = P.Upstream(0), P.LoadGenerator(0)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("INFERTAP_", "OTEL_"))}
-    env.update(kv.split("=", 1) for kv in os.environ.get("AB_ENV", "").split())
+    for kv in os.environ.get("AB_ENV", "").split():
+        name, _, value = kv.partition("=")
+        env[name] = value
     procs: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
     try:
         for label, tree in trees:

@@ -8,8 +8,13 @@ is a proxy anyone should run: no checks, no errors, no metrics, one upstream.
                    parsed; its end is found by its last bytes): what Python and uvloop cost
   raw-aiohttp      asyncio protocol server (httptools parses the request), aiohttp client
   uvicorn-raw      uvicorn + a bare ASGI app, an httptools-parsed pooled client
-  uvicorn-aiohttp  uvicorn + a bare ASGI app, aiohttp client: the libraries infertap is built on,
-                   without infertap
+  uvicorn-aiohttp  uvicorn + a bare ASGI app, aiohttp client: the libraries infertap is built on
+                   before issue 25, without infertap
+  uvicorn-proto    uvicorn with a subclass of its httptools protocol that serves POST at the
+                   protocol level: the body gathered in llhttp's callbacks, a pooled
+                   httptools-parsed upstream connection whose callbacks write each body chunk to the
+                   client's transport (chunked), the upstream paused while the client's transport is
+                   full. The layers infertap is built on since issue 25, without infertap's own work
 
 Run: `python scripts/perf/stack_floor.py MODE UPSTREAM_PORT PORT_FILE`; it writes its port to PORT_FILE.
 """
@@ -153,6 +158,107 @@ async def _raw_request(method: str, path: str, headers: list[tuple[bytes, bytes]
     return resp
 
 
+# -- uvicorn-proto: POST relayed in the protocols' callbacks, inside uvicorn ---------------------
+class _RelayUp(asyncio.Protocol):
+    """A pooled upstream connection; while it carries a request, its callbacks write to `down`."""
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.down: Any = None  # the client's protocol (uvicorn's, subclassed below)
+        self.head: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name not in _HOP:
+            self.head.append(b"%s: %s\r\n" % (name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        self.head.insert(0, b"HTTP/1.1 %d OK\r\ntransfer-encoding: chunked\r\n" % status)
+        self.head.append(b"\r\n")
+        self.down.transport.write(b"".join(self.head))
+        self.head = []
+
+    def on_body(self, body: bytes) -> None:
+        down = self.down.transport
+        down.write(b"%x\r\n%s\r\n" % (len(body), body))
+        if down.get_write_buffer_size() > 65536 and self.transport is not None:
+            self.transport.pause_reading()
+            self.down.paused_up = self
+
+    def on_message_complete(self) -> None:
+        self.down.transport.write(b"0\r\n\r\n")
+        self.down = None
+        _RELAY_POOL.append(self)
+
+
+_RELAY_POOL: list[_RelayUp] = []
+
+
+def _proto_class() -> Any:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class ProtoRelay(HttpToolsProtocol):
+        raw = False
+        paused_up: _RelayUp | None = None
+
+        def on_headers_complete(self) -> None:
+            self.raw = self.parser.get_method() == b"POST"
+            if self.raw:
+                self.raw_body: list[bytes] = []
+            else:
+                super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:
+            if self.raw:
+                self.raw_body.append(body)
+            else:
+                super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            if not self.raw:
+                super().on_message_complete()
+                return
+            up = _RELAY_POOL.pop() if _RELAY_POOL else None
+            request = self._request(b"".join(self.raw_body))
+            if up is not None:
+                up.down = self
+                assert up.transport is not None
+                up.transport.write(request)
+            else:
+                asyncio.ensure_future(self._connect(request))
+
+        def _request(self, body: bytes) -> bytes:
+            head = [
+                b"POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-length: %d\r\n"
+                % (self.url, HOST.encode(), UP_PORT, len(body))
+            ]
+            head += [b"%s: %s\r\n" % (k, v) for k, v in self.headers if k not in _HOP]
+            head.append(b"\r\n")
+            return b"".join(head) + body
+
+        async def _connect(self, request: bytes) -> None:
+            _, up = await asyncio.get_running_loop().create_connection(_RelayUp, HOST, UP_PORT)
+            up.down = self
+            assert up.transport is not None
+            up.transport.write(request)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            up, self.paused_up = self.paused_up, None
+            if up is not None and up.transport is not None:
+                up.transport.resume_reading()
+
+    return ProtoRelay
+
+
 # -- ASGI app for uvicorn: the same bare relay over either client -------------------------------
 _SESSION: Any = None
 
@@ -250,9 +356,8 @@ async def main() -> None:
 
         sock = socket.socket()
         sock.bind((HOST, 0))
-        config = uvicorn.Config(
-            asgi_app, loop="uvloop", http="httptools", log_level="warning", access_log=False
-        )
+        http = _proto_class() if MODE == "uvicorn-proto" else "httptools"
+        config = uvicorn.Config(asgi_app, loop="uvloop", http=http, log_level="warning", access_log=False)
         server = uvicorn.Server(config)
         with open(PORT_FILE, "w") as f:
             f.write(str(sock.getsockname()[1]))

@@ -1,13 +1,15 @@
-"""Runs scripts/perf/stack_floor.py's minimal relays beside infertap and nginx, in interleaved rounds.
+"""Runs scripts/perf/stack_floor.py's minimal relays beside infertap, nginx and vllm-router, in
+interleaved rounds.
 
-  python scripts/perf/stack_floor_run.py [--rounds N] [LOAD ...]
+  python scripts/perf/stack_floor_run.py [--rounds N] [--relays MODE,...] [LOAD ...]
 
 LOAD: paced1 (one 100-token stream at a time, TTFT 50 ms, tokens 10 ms apart), paced64 (64 such
 streams at once), zero (zero-delay 100-token streams, 64 at once), nonstream (zero-delay
 non-streaming requests, 64 at once); all four by default. The bench's upstream and load generator
 share core 0, each relay runs alone on core 1, as in `infertap bench`. Prints, per load and relay,
 the median over the rounds of the relay's CPU per request (user and system time apart), the added
-TTFT p50 against the direct row, and requests per second.
+TTFT p50 against the direct row, and requests per second. nginx and vllm-router run where the bench
+finds them (scripts/install_bench_tools.sh); --relays picks the minimal relays (default: all).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ sys.path.insert(0, str(ROOT))
 from proxy.tools.bench.loadgen import Job  # noqa: E402
 from proxy.tools.bench.nginx import Nginx, find_nginx  # noqa: E402
 from proxy.tools.bench.processes import Infertap, LoadGenerator, Upstream, pin_child, wait_ready  # noqa: E402
+from proxy.tools.bench.vllm_router import VllmRouter, find_vllm_router  # noqa: E402
 
-MODES = ("raw-raw", "raw-aiohttp", "uvicorn-raw", "uvicorn-aiohttp")
+MODES = ("raw-raw", "raw-aiohttp", "uvicorn-raw", "uvicorn-aiohttp", "uvicorn-proto")
 LOADS = {
     "paced1": Job("127.0.0.1", 0, True, 1, 15, ttft_ms=50, itl_ms=10),
     "paced64": Job("127.0.0.1", 0, True, 64, 640, ttft_ms=50, itl_ms=10),
@@ -86,7 +89,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("loads", nargs="*", metavar="LOAD", help=f"one of {', '.join(LOADS)} (default: all)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--relays", default=",".join(MODES), help="minimal relays to run, comma-separated")
     args = ap.parse_args()
+    relays = [m for m in args.relays.split(",") if m]
+    for mode in relays:
+        if mode not in MODES:
+            ap.error(f"unknown relay {mode!r}: choose from {', '.join(MODES)}")
     for load in args.loads:
         if load not in LOADS:
             ap.error(f"unknown load {load!r}: choose from {', '.join(LOADS)}")
@@ -99,7 +107,16 @@ def main() -> None:
         nginx = Nginx("nginx", exe, up.port, 1, None)
         nginx.wait_ready()
         targets["nginx"] = nginx
-    for mode in MODES:
+    else:
+        print("nginx not found: its row is left out (scripts/install_bench_tools.sh)", file=sys.stderr)
+    router_exe = find_vllm_router()
+    if router_exe:
+        router = VllmRouter("vllm-router", router_exe, [up.url], "round_robin", 1)
+        router.wait_ready()
+        targets["vllm-router"] = router
+    else:
+        print("vllm-router not found: its row is left out (scripts/install_bench_tools.sh)", file=sys.stderr)
+    for mode in relays:
         targets[mode] = Relay(mode, up.port)
     infertap = Infertap("infertap", up.url, 1)
     infertap.wait_ready()

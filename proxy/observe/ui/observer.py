@@ -1,7 +1,7 @@
 """UIObserver: keeps what /ui shows in bounded rings, from the same Exchange values the metrics see.
 
 Work per request: a dict entry in `request_received`, a few counter increments, at most two
-reservoir samples and one table row at the terminal hook. No `chunk` hook. Everything else
+reservoir samples and one table row at the terminal hook. No `output_gaps` hook. Everything else
 (quantiles, rates, the JSON) is computed in `snapshot()`, when the page asks.
 
 Counting rules mirror `proxy/observe/metrics/prometheus.py`, so /ui/data and /metrics agree for
