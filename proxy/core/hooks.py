@@ -20,6 +20,10 @@ log = logging.getLogger("infertap.observer")
 # token cost more than everything else infertap does per token; a histogram a second behind does not.
 GAPS_EVERY_S = 1.0
 
+# Hooks an observer could implement once, and what replaced each: a custom observer that still
+# defines one is told at start-up instead of silently never being called.
+RETIRED_HOOKS = {"chunk": "output_gaps(ex, gaps, zeros)"}
+
 HOOKS = (
     "request_received",
     "attempt_started",
@@ -150,6 +154,16 @@ class ObserverSet:
             ]
             for hook in HOOKS
         }
+        for o in self.observers:
+            for hook, instead in RETIRED_HOOKS.items():
+                if callable(getattr(o, hook, None)):
+                    log.warning(
+                        "observer %s implements %s, which infertap no longer calls: implement %s "
+                        "instead (CHANGELOG.md)",
+                        o.name,
+                        hook,
+                        instead,
+                    )
 
     def request_received(self, ex: Exchange) -> None:
         for call in self._calls["request_received"]:
