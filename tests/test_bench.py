@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from proxy.tools.bench import upstream as up
+from proxy.tools.bench.cli import exit_status
 from proxy.tools.bench.connection import ClientConnection
 from proxy.tools.bench.loadgen import Job, _check, run_job
 from proxy.tools.bench.nginx import find_nginx
@@ -118,6 +119,24 @@ def test_a_row_is_the_median_of_its_rounds_with_the_spread() -> None:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads CPU and RSS from /proc")
+def test_the_exit_status_counts_infertaps_failures_not_a_reference_routers() -> None:
+    """Regression: vllm-router's cache_aware answered a fleet row's every request with an empty
+    stream on a loaded CI machine, and the bench (and the fleet test) failed for it."""
+
+    def row(target: str, errors: int) -> dict[str, Any]:
+        kinds = {"no token": errors} if errors else {}
+        return {"phase": "skew", "target": target, "errors": errors, "error_kinds": kinds}
+
+    references = [row("vllm-router cache_aware", 8), row("nginx", 1), row("vllm-router", 2)]
+    results: dict[str, Any] = {"fleet": {"rows": [row("infertap least_request", 0), *references]}}
+    failed, messages = exit_status(results)
+    assert failed == 0
+    assert len(messages) == 3 and "vllm-router cache_aware failed (skew: no token 8)" in messages[0]
+    results["throughput"] = {"rows": [row("infertap", 3), row("direct", 1)]}
+    failed, messages = exit_status(results)
+    assert failed == 4 and messages[0].startswith("4 request(s) failed")
+
+
 def test_quick_bench_reports_every_scenario(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run(

@@ -83,8 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
         "  infertap bench --scenario poisson --rate 60 --rounds 5\n\n"
         f"nginx: where it is installed, every scenario runs it too ({INSTALL_HINT}).\n"
         f"vllm-router: likewise, beside nginx ({VLLM_ROUTER_HINT}).\n"
-        "Exit status: 0 when every request succeeded (targets missed or not), 1 when some failed,\n"
-        "2 when the bench could not run. See docs/benchmarks.md.",
+        "Exit status: 0 when every request through infertap (and direct) succeeded, targets missed\n"
+        "or not; 1 when some failed; 2 when the bench could not run. Failures in nginx's and\n"
+        "vllm-router's rows are shown in their rows and on stderr, and do not change it.\n"
+        "See docs/benchmarks.md.",
     )
     p.add_argument("--scenario", action="append", choices=names, help="run only this one (repeatable)")
     p.add_argument("--quick", action="store_true", help="smoke mode: tiny counts, one round (CI)")
@@ -196,10 +198,31 @@ def main(argv: list[str]) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
         log(f"wrote {args.json}")
-    failed = sum(r["errors"] for sc in results.values() for r in sc["rows"])
-    if failed:
-        print(
-            f"infertap bench: {failed} request(s) failed; the error kinds are in the tables' rows",
-            file=sys.stderr,
-        )
+    failed, messages = exit_status(results)
+    for message in messages:
+        print(f"infertap bench: {message}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _reference(target: str) -> bool:
+    """nginx's and vllm-router's rows (any policy): the yardsticks, not what the bench tests."""
+    return target.split(" ", 1)[0] in (NGINX, VLLM_ROUTER)
+
+
+def exit_status(results: dict[str, Any]) -> tuple[int, list[str]]:
+    """(requests failed through infertap or direct, what to say): a reference's failures are
+    reported and leave the status alone: a third-party router that fails under a loaded CI
+    machine says nothing about infertap, while its row and the checks against it show it."""
+    rows = [r for sc in results.values() for r in sc["rows"]]
+    failed = sum(r["errors"] for r in rows if not _reference(r["target"]))
+    messages = []
+    if failed:
+        messages.append(f"{failed} request(s) failed; the error kinds are in the tables' rows")
+    for r in rows:
+        if r["errors"] and _reference(r["target"]):
+            kinds = ", ".join(f"{k} {n}" for k, n in r.get("error_kinds", {}).items())
+            messages.append(
+                f"{r['errors']} request(s) through {r['target']} failed ({r['phase']}: {kinds}); a "
+                "reference row, reported without failing the run"
+            )
+    return failed, messages
