@@ -137,6 +137,41 @@ def test_a_malformed_answer_is_an_upstream_error(name: str, answer: bytes) -> No
     run(CLIENTS[name], test)
 
 
+AFTER_THE_ANSWER = {
+    # A HEAD answer is complete at its head; the 5 bytes its Content-Length names never come.
+    "a HEAD answer's body": ("HEAD", b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello", b""),
+    "a second answer to one request": (
+        "POST",
+        FRAMINGS["length"] + b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello",
+        BODY,
+    ),
+}
+
+
+@IMPLEMENTATIONS
+@pytest.mark.parametrize("case", sorted(AFTER_THE_ANSWER))
+def test_bytes_after_a_complete_answer_never_join_it(name: str, case: str) -> None:
+    """Regression: with llhttp's body callback bound straight to a list, body bytes that came in the
+    same read after the answer was complete (a HEAD answer's, at its head) went into that answer.
+    They are bytes nobody asked for: dropped with the connection (the httptools client), or the
+    answer is an upstream error (aiohttp's, for the HEAD); never part of the body."""
+    method, answer, body = AFTER_THE_ANSWER[case]
+
+    async def test(client: UpstreamClient) -> None:
+        async with server(answering(answer)) as port:
+            url = f"http://127.0.0.1:{port}/v1/x"
+            try:
+                resp = await client.send(method, url, {}, b"", T, Pool("u"))
+            except UpstreamError as e:  # aiohttp reads the 5 bytes as the next answer's status line
+                assert (name, method, e.kind) == ("aiohttp", "HEAD", ErrorKind.UPSTREAM_5XX)
+                return
+            chunks = [c async for c in resp.chunks()]
+            resp.release()
+            assert (resp.status, b"".join(chunks)) == (200, body)
+
+    run(CLIENTS[name], test)
+
+
 def test_an_upgrade_is_no_answer_to_relay() -> None:
     switch = b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\nxx"
 

@@ -102,7 +102,11 @@ class H1Connection(asyncio.Protocol):
             self._end(h1_errors.error(e))
             self.close()
         if self.bodies:
-            resp.take(self.bodies)
+            if self.resp is resp:
+                resp.take(self.bodies)
+            else:  # after the answer was complete (a HEAD's, at its head): bytes nobody asked for
+                self.bodies.clear()
+                self.close()
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.resp.raw_headers.append((name, value))  # type: ignore[union-attr]
