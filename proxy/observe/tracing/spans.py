@@ -26,6 +26,7 @@ Choices, following the GenAI and HTTP semantic conventions:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -38,9 +39,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import Sampler
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from opentelemetry.util.types import AttributeValue
 
 from proxy import __version__
 from proxy.core.errors import timeout_phase
@@ -49,11 +49,10 @@ from proxy.core.hooks import Observer
 from proxy.core.route_table import route_of
 from proxy.observe.tracing.export import default_sampler, service_resource
 from proxy.observe.tracing.genai_content import Budget, input_messages
+from proxy.observe.tracing.record import Attrs, SpanRecord, SpanRecorder
 from proxy.settings import TracingSettings
 
 log = logging.getLogger("infertap.tracing")
-
-Attrs = dict[str, AttributeValue]
 
 PROVIDER = "openai"
 _CALLER_FAULTS = frozenset({Outcome.CLIENT_ERROR, Outcome.REJECTED})
@@ -64,10 +63,10 @@ _MAX_DESCRIPTION = 512
 # -- spans --------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class _State:
-    server: Span
+    server: SpanRecord
     name: str
     request: Attrs
-    attempt: Span | None = None
+    attempt: SpanRecord | None = None
 
 
 def _wall(ex: Exchange, t: float) -> int:
@@ -103,11 +102,18 @@ def _request_attrs(ex: Exchange) -> tuple[str, Attrs]:
     if ex.upstream:
         attrs["infertap.upstream"] = ex.upstream
     if ex.upstream_url:
-        url = urlsplit(ex.upstream_url)
-        if url.hostname:
-            attrs["server.address"] = url.hostname
-            attrs["server.port"] = url.port or (443 if url.scheme == "https" else 80)
+        server = _server(ex.upstream_url)
+        if server is not None:
+            attrs["server.address"], attrs["server.port"] = server
     return name, attrs
+
+
+@functools.lru_cache(maxsize=256)  # a few upstream URLs (a pool's replicas), a request each
+def _server(upstream_url: str) -> tuple[str, int] | None:
+    url = urlsplit(upstream_url)
+    if not url.hostname:
+        return None
+    return url.hostname, url.port or (443 if url.scheme == "https" else 80)
 
 
 def _response_attrs(ex: Exchange) -> Attrs:
@@ -122,7 +128,7 @@ def _response_attrs(ex: Exchange) -> Attrs:
     if ex.response_id:
         attrs["gen_ai.response.id"] = ex.response_id
     if ex.finish_reasons:
-        attrs["gen_ai.response.finish_reasons"] = list(ex.finish_reasons)
+        attrs["gen_ai.response.finish_reasons"] = tuple(ex.finish_reasons)
     if ex.prompt_tokens is not None:
         attrs["gen_ai.usage.input_tokens"] = ex.prompt_tokens
     if ex.completion_tokens is not None or ex.output_events:
@@ -146,9 +152,8 @@ def _response_attrs(ex: Exchange) -> Attrs:
     return attrs
 
 
-def _fail(span: Span, kind: str, message: str | None) -> None:
-    span.set_attribute("error.type", kind)
-    span.set_status(Status(StatusCode.ERROR, (message or kind)[:_MAX_DESCRIPTION]))
+def _fail(span: SpanRecord, kind: str, message: str | None) -> None:
+    span.fail(kind, (message or kind)[:_MAX_DESCRIPTION])
 
 
 # -- the observer -------------------------------------------------------------------------------
@@ -176,18 +181,22 @@ class TracingObserver(Observer):
             resource=resource if resource is not None else service_resource(settings),
             sampler=sampler if sampler is not None else default_sampler(settings),
         )
+        # The provider owns the processor (its shutdown flushes it); the spans go to it directly.
         self.provider.add_span_processor(processor)
-        self._tracer = self.provider.get_tracer("infertap", __version__)
+        self._spans = SpanRecorder(self.provider, processor, "infertap", __version__)
         self._propagator = TraceContextTextMapPropagator()
 
     def request_received(self, ex: Exchange) -> None:
-        parent = self._propagator.extract(ex.trace_context) if ex.trace_context else None
+        parent, parent_context = None, None
+        if ex.trace_context:
+            parent_context = self._propagator.extract(ex.trace_context)
+            parent = trace.get_current_span(parent_context).get_span_context()
         name, attrs = _request_attrs(ex)
         server_attrs: Attrs = {**attrs, "http.request.method": ex.method, "url.path": ex.path}
-        span = self._tracer.start_span(
-            name, parent, SpanKind.SERVER, server_attrs, start_time=ex.started_unix_ns
+        span = self._spans.start(
+            name, SpanKind.SERVER, server_attrs, ex.started_unix_ns, parent, parent_context
         )
-        ctx = span.get_span_context()
+        ctx = span.context
         if ctx.trace_flags.sampled:
             ex.trace_id = format(ctx.trace_id, "032x")
         ex.scratch[self.name] = _State(span, name, attrs)
@@ -200,22 +209,25 @@ class TracingObserver(Observer):
         if st is None:
             return
         if st.attempt is not None:
-            st.attempt.end()
+            self._spans.end(st.attempt)
         started = ex.attempt_started_at if ex.attempt_started_at is not None else time.perf_counter()
-        span = self._tracer.start_span(
+        span = self._spans.start(
             st.name,
-            trace.set_span_in_context(st.server),
             SpanKind.CLIENT,
             {**st.request, "infertap.attempt": ex.attempts},
-            start_time=_wall(ex, started),
+            _wall(ex, started),
+            st.server.context,
         )
         st.attempt = span
-        self._propagator.inject(ex.upstream_headers, trace.set_span_in_context(span))
+        traceparent, tracestate = span.traceparent()
+        ex.upstream_headers["traceparent"] = traceparent
+        if tracestate:
+            ex.upstream_headers["tracestate"] = tracestate
 
     def first_byte(self, ex: Exchange) -> None:
         st: _State | None = ex.scratch.get(self.name)
         if st is not None and st.attempt is not None and ex.status_code is not None:
-            st.attempt.set_attribute("http.response.status_code", ex.status_code)
+            st.attempt.set_attributes({"http.response.status_code": ex.status_code})
 
     def retry(self, ex: Exchange, reason: str, backoff: float) -> None:
         st: _State | None = ex.scratch.get(self.name)
@@ -225,7 +237,7 @@ class TracingObserver(Observer):
         now = _wall(ex, ex.attempt_failed_at if ex.attempt_failed_at is not None else time.perf_counter())
         if st.attempt is not None:
             _fail(st.attempt, reason, f"attempt {ex.attempts} failed: {reason}")
-            st.attempt.end(now)
+            self._spans.end(st.attempt, now)
             st.attempt = None
         st.server.add_event(
             "retry",
@@ -251,10 +263,10 @@ class TracingObserver(Observer):
         attrs = _response_attrs(ex)
         if st.attempt is not None:
             if outcome is Outcome.OK:
-                st.attempt.set_status(Status(StatusCode.OK))
+                st.attempt.succeed()
             else:
                 _fail(st.attempt, outcome.value, ex.error_message)
-            st.attempt.end(end)
+            self._spans.end(st.attempt, end)
         server = st.server
         server.set_attributes(attrs)
         if ex.first_answer_at is not None and ex.first_answer_at != ex.first_token_at:
@@ -276,10 +288,10 @@ class TracingObserver(Observer):
         elif outcome is Outcome.STREAM_INTERRUPTED:
             server.add_event("stream_interrupted", {"infertap.output_events": ex.output_events}, end)
         if outcome is Outcome.OK:
-            server.set_status(Status(StatusCode.OK))
+            server.succeed()
         elif outcome not in _CALLER_FAULTS:
             _fail(server, outcome.value, ex.error_message)
-        server.end(end)
+        self._spans.end(server, end)
 
     def _content(self, ex: Exchange) -> Attrs:
         """Prompts and completions, only with capture_content."""

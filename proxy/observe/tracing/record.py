@@ -1,0 +1,187 @@
+"""A span as infertap records it: plain fields that the tracing observer's hooks fill, made into
+the SDK's `ReadableSpan` once, when it ends, and handed to the span processor.
+
+Why not the SDK's own `Span`: it cleans and copies every attribute under a lock as it is set
+(`BoundedAttributes`), and a request's two spans carry about forty. That was most of tracing's
+cost on the event loop: 57-65 µs per request for the SDK alone making infertap's two spans, 6 µs
+for the same two `ReadableSpan`s made at their end (scripts/perf/otel_floor.py). infertap's
+attribute values come from typed fields (str, int, float, bool, a list of str), which the cleaning
+leaves as they are.
+
+What the SDK's tracer decides stays the SDK's: the provider's sampler (its attributes and trace
+state included), its id generator, its resource, and the span limits the OTEL_*_LIMIT variables
+set: where one is set below what infertap's spans can reach, records keep their attributes and
+events in the SDK's own `BoundedAttributes` and `BoundedList` from the start, as its spans do. A test
+replays recorded spans through the SDK's tracer and compares the OTLP encoding byte for byte
+(tests/test_tracing.py), so a change in the SDK that this would miss fails loudly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field
+from time import time_ns
+
+from opentelemetry import trace
+from opentelemetry.attributes import BoundedAttributes
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.sampling import Decision
+from opentelemetry.sdk.util import BoundedList
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.util.types import AttributeValue
+
+Attrs = dict[str, AttributeValue]
+
+UNSET = Status(StatusCode.UNSET)
+OK = Status(StatusCode.OK)
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
+# W3C Trace Context level 2's random-trace-id flag (opentelemetry-api 1.39 on): 0 before it.
+_RANDOM = int(getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
+
+
+@dataclass(slots=True)
+class SpanRecord:
+    """A span being recorded (or, where the sampler dropped it, only its context)."""
+
+    name: str
+    context: SpanContext
+    parent: SpanContext | None
+    kind: SpanKind
+    start: int
+    recording: bool
+    attributes: MutableMapping[str, AttributeValue]
+    events: list[Event] | BoundedList[Event] = field(default_factory=list)
+    status: Status = UNSET
+    # (max attributes, max value length) of an event where the span limits could cut one
+    event_limits: tuple[int | None, int | None] | None = None
+
+    def set_attributes(self, attributes: Mapping[str, AttributeValue]) -> None:
+        """As the SDK's span sets them: a key set again moves to the end (which a count limit cuts
+        last)."""
+        attrs = self.attributes
+        if type(attrs) is dict and attrs.keys().isdisjoint(attributes):
+            attrs.update(attributes)
+            return
+        for key, value in attributes.items():
+            attrs.pop(key, None)
+            attrs[key] = value
+
+    def add_event(self, name: str, attributes: Mapping[str, AttributeValue], timestamp: int) -> None:
+        if self.recording:
+            if self.event_limits is not None:
+                count, length = self.event_limits
+                attributes = BoundedAttributes(count, attributes, True, length)
+            self.events.append(Event(name, attributes, timestamp))
+
+    def fail(self, kind: str, description: str) -> None:
+        """ERROR with `error.type`, as the SDK's set_status would (an OK span stays OK)."""
+        self.set_attributes({"error.type": kind})
+        if self.status.status_code is not StatusCode.OK:
+            self.status = Status(StatusCode.ERROR, description)
+
+    def succeed(self) -> None:
+        self.status = OK
+
+    def traceparent(self) -> tuple[str, str]:
+        """W3C `traceparent` and `tracestate` ("" when empty) for a request made inside this span:
+        what TraceContextTextMapPropagator.inject writes for it."""
+        ctx = self.context
+        tp = f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"
+        return tp, ctx.trace_state.to_header() if ctx.trace_state else ""
+
+
+class SpanRecorder:
+    """Starts records the way the SDK's Tracer.start_span starts spans, and ends them into the
+    span processor."""
+
+    def __init__(self, provider: TracerProvider, processor: SpanProcessor, name: str, version: str) -> None:
+        self._sampler = provider.sampler
+        self._ids = provider.id_generator
+        self._resource = provider.resource
+        self._processor = processor
+        tracer = provider.get_tracer(name, version)
+        # The deprecated twin of the scope that SDK spans still carry, for exporters that read it.
+        self._info = getattr(tracer, "instrumentation_info", None)
+        self._scope = InstrumentationScope(name, version)
+        self._random = _RANDOM if getattr(self._ids, "is_trace_id_random", lambda: False)() else 0
+        limits = SpanLimits()
+        self._limits = limits
+        # Below these, a limit could cut one of infertap's spans (about 40 attributes, events of
+        # at most 3, one event per retry); at the SDK's defaults (128) none can.
+        self._limited = not (
+            limits.max_span_attribute_length is None
+            and limits.max_attribute_length is None
+            and _at_least(limits.max_span_attributes, 128)
+            and _at_least(limits.max_event_attributes, 128)
+            and _at_least(limits.max_events, 128)
+        )
+        self._event_limits = (limits.max_event_attributes, limits.max_attribute_length)
+
+    def start(
+        self,
+        name: str,
+        kind: SpanKind,
+        attributes: Attrs,
+        start: int,
+        parent: SpanContext | None = None,
+        parent_context: Context | None = None,
+    ) -> SpanRecord:
+        """`parent` is the parent's SpanContext (None: a root span); `parent_context` the Context
+        holding it, where the caller has one (an extracted `traceparent`)."""
+        if parent is not None and not parent.is_valid:
+            parent = None
+        if parent is None:
+            trace_id = self._ids.generate_trace_id()
+            random = self._random
+        else:
+            trace_id = parent.trace_id
+            random = parent.trace_flags & _RANDOM
+            if parent_context is None:
+                parent_context = trace.set_span_in_context(NonRecordingSpan(parent))
+        result = self._sampler.should_sample(parent_context, trace_id, name, kind, attributes, ())
+        decision = result.decision
+        flags = _SAMPLED if decision is Decision.RECORD_AND_SAMPLE else _NOT_SAMPLED
+        if random:
+            flags = TraceFlags(flags | random)
+        context = SpanContext(trace_id, self._ids.generate_span_id(), False, flags, result.trace_state)
+        recording = decision is not Decision.DROP
+        if not self._limited:
+            attrs = dict(result.attributes) if recording else {}
+            return SpanRecord(name, context, parent, kind, start, recording, attrs)
+        lim = self._limits
+        bounded = BoundedAttributes(
+            lim.max_span_attributes, result.attributes, False, lim.max_span_attribute_length
+        )
+        events: BoundedList[Event] = BoundedList(lim.max_events)
+        return SpanRecord(
+            name, context, parent, kind, start, recording, bounded, events, UNSET, self._event_limits
+        )
+
+    def end(self, record: SpanRecord, end: int | None = None) -> None:
+        """Hands a recording span to the processor; a dropped one just ends."""
+        if not record.recording:
+            return
+        record.recording = False  # ended: a second end hands nothing over
+        span = ReadableSpan(
+            record.name,
+            record.context,
+            record.parent,
+            self._resource,
+            record.attributes,
+            record.events,
+            (),
+            record.kind,
+            self._info,
+            record.status,
+            record.start,
+            end if end is not None else time_ns(),
+            self._scope,
+        )
+        self._processor.on_end(span)
+
+
+def _at_least(limit: int | None, n: int) -> bool:
+    return limit is None or limit >= n
