@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
+from prometheus_client.samples import Exemplar
 
 from proxy.observe.metrics import prometheus
 from proxy.observe.metrics.buckets import TTFT_BUCKETS
@@ -28,12 +29,13 @@ OPS = st.lists(
         st.tuples(st.just("observe"), VALUES),
         st.tuples(st.just("many"), st.tuples(VALUES, st.integers(1, 300))),
         st.tuples(st.just("all"), st.lists(VALUES, min_size=1, max_size=50)),
+        st.tuples(st.just("exemplar"), st.tuples(VALUES, st.integers(0, 2**128 - 1))),
     ),
     max_size=40,
 )
 
 
-def _count(counting: Counting, ops: list[tuple[str, Any]]) -> list[tuple[str, dict[str, str], float]]:
+def _count(counting: Counting, ops: list[tuple[str, Any]]) -> tuple[list[Any], list[Any]]:
     registry = CollectorRegistry()
     counter = Counter("c", "c", ["m"], registry=registry).labels("x")
     gauge = Gauge("g", "g", ["m"], registry=registry).labels("x")
@@ -48,18 +50,31 @@ def _count(counting: Counting, ops: list[tuple[str, Any]]) -> list[tuple[str, di
             counting.observe(histogram, arg)
         elif op == "all":
             counting.observe_all(histogram, arg)
+        elif op == "exemplar":
+            value, trace = arg
+            counting.observe_exemplar(histogram, value, Exemplar({"trace_id": f"{trace:032x}"}, value, 0.0))
         else:
             counting.observe_many(histogram, *arg)
-    return [s for s in samples(generate_latest(registry).decode()) if not s[0].endswith("_created")]
+    exposed = [s for s in samples(generate_latest(registry).decode()) if not s[0].endswith("_created")]
+    # Exemplars (not in the text format): which bucket holds which, its time aside (the methods
+    # stamp their own).
+    exemplars = [
+        (s.labels["le"], s.exemplar.labels, s.exemplar.value)
+        for family in registry.collect()
+        for s in family.samples
+        if s.exemplar is not None
+    ]
+    return exposed, exemplars
 
 
 @given(ops=OPS)
 @settings(max_examples=200, deadline=None)
 def test_direct_counting_exposes_what_the_methods_do(ops: list[tuple[str, Any]]) -> None:
     assert prometheus.COUNTING is DIRECT  # the prometheus_client installed here: the fast path is in use
-    got, want = _count(DIRECT, ops), _count(METHODS, ops)
+    (got, got_exemplars), (want, want_exemplars) = _count(DIRECT, ops), _count(METHODS, ops)
     assert [s[:2] for s in got] == [s[:2] for s in want]
     assert [s[2] for s in got] == pytest.approx([s[2] for s in want], rel=1e-9, abs=1e-6)
+    assert got_exemplars == want_exemplars
 
 
 def test_a_changed_prometheus_client_is_counted_by_its_methods() -> None:
@@ -78,5 +93,19 @@ def test_a_changed_prometheus_client_is_counted_by_its_methods() -> None:
             finally:
                 del self._value
 
-    assert direct_works(Histogram, Counter, Gauge, values)
-    assert not direct_works(Histogram, Renamed, Gauge, values)
+    assert direct_works(Histogram, Counter, Gauge, values, Exemplar)
+    assert not direct_works(Histogram, Renamed, Gauge, values, Exemplar)
+
+
+def test_a_prometheus_client_that_keeps_exemplars_elsewhere_is_counted_by_its_methods() -> None:
+    class Elsewhere(Histogram):  # a release whose buckets no longer hold their exemplars themselves
+        def observe(self, amount: float, exemplar: Any = None) -> None:
+            super().observe(amount)
+            if exemplar:
+                self.last = Exemplar(exemplar, amount, 0.0)
+
+        def _child_samples(self) -> Any:
+            last = getattr(self, "last", None)
+            return [s._replace(exemplar=last) if s.name == "_bucket" else s for s in super()._child_samples()]
+
+    assert not direct_works(Elsewhere, Counter, Gauge, values, Exemplar)

@@ -8,7 +8,9 @@ Each tree runs under `valgrind --tool=callgrind` (about 50x slower), in front of
 upstream; after a warm-up the counters are zeroed, N requests run, and the user-space instructions
 they took (the kernel's are not counted) are divided by N. The counts include what the process
 did meanwhile besides the requests (its timers), so compare runs of the same LOAD and N.
-Needs Debian's valgrind. LOAD: nonstream (8 at once), zero (zero-delay 100-token streams, 8 at
+A TREE of `floor:MODE` counts one of scripts/perf/stack_floor.py's minimal relays instead
+(`floor:uvicorn-proto`: the layers infertap is built on, without its own work), so that
+infertap's own instructions per request are the difference. Needs Debian's valgrind. LOAD: nonstream (8 at once), zero (zero-delay 100-token streams, 8 at
 once), paced (100-token streams 10 ms apart, 2 at once: an event per upstream read).
 """
 
@@ -46,8 +48,11 @@ def main() -> None:
     try:
         for arg in sys.argv[3:]:
             label, tree = arg.split("=", 1)
-            tree = str(Path(tree).resolve())
+            floor = tree.removeprefix("floor:") if tree.startswith("floor:") else None
+            tree = str(ROOT if floor else Path(tree).resolve())
             port = P.free_port()
+            port_file = Path(f"/tmp/infertap-callgrind.{label}.port")
+            port_file.unlink(missing_ok=True)
             out = f"/tmp/infertap-callgrind.{label}.out"
             for f in glob.glob(out + "*"):
                 os.remove(f)
@@ -59,14 +64,21 @@ def main() -> None:
                 "-m",
                 "proxy",
             ]
-            cmd += ["serve", "--host", "127.0.0.1", "--port", str(port)]
-            cmd += ["--upstream", f"bench={up.url}/v1", "--forward-header", "x-bench-*"]
+            if floor:
+                up_port = up.url.rsplit(":", 1)[1]
+                cmd[-2:] = [str(ROOT / "scripts/perf/stack_floor.py"), floor, up_port, str(port_file)]
+            else:
+                cmd += ["serve", "--host", "127.0.0.1", "--port", str(port)]
+                cmd += ["--upstream", f"bench={up.url}/v1", "--forward-header", "x-bench-*"]
             p = subprocess.Popen(cmd, env=dict(env, PYTHONPATH=tree), cwd=tree, stderr=subprocess.DEVNULL)
             try:
                 deadline = time.monotonic() + 300
                 while True:
                     try:
-                        P.http_get_json(port, "/healthz", timeout=5)
+                        if floor:
+                            port = int(port_file.read_text() or "x")
+                        else:
+                            P.http_get_json(port, "/healthz", timeout=5)
                         break
                     except (OSError, ValueError):
                         if time.monotonic() > deadline or p.poll() is not None:

@@ -30,6 +30,10 @@ class Counting(NamedTuple):
     # (child, values): each of them observed, a bucket's count added once (a stream's gaps of about
     # a second, handed over together: proxy/core/hooks.py, output_gaps).
     observe_all: Callable[[Any, list[float]], None]
+    # (child, value, exemplar): observed with a prometheus_client `Exemplar(labels, value, time)`
+    # on the bucket it falls in. Its labels are infertap's own (`trace_id`, 32 hex digits): valid,
+    # so not validated again on each request as `observe(value, labels)` does.
+    observe_exemplar: Callable[[Any, float, Any], None]
 
 
 def _inc(child: Any, amount: float = 1) -> None:
@@ -45,6 +49,13 @@ def _observe(child: Any, value: float) -> None:
     # classes alike): bisect_left finds the first boundary >= value, as observe's `value <= bound`.
     child._sum.inc(value)
     child._buckets[bisect_left(child._upper_bounds, value)].inc(1)
+
+
+def _observe_exemplar(child: Any, value: float, exemplar: Any) -> None:
+    child._sum.inc(value)
+    bucket = child._buckets[bisect_left(child._upper_bounds, value)]
+    bucket.inc(1)
+    bucket.set_exemplar(exemplar)
 
 
 def _observe_many_at_once(child: Any, value: float, n: int) -> None:
@@ -81,6 +92,10 @@ def _observe_method(child: Any, value: float) -> None:
     child.observe(value)
 
 
+def _observe_exemplar_method(child: Any, value: float, exemplar: Any) -> None:
+    child.observe(value, exemplar.labels)
+
+
 def _observe_each(child: Any, value: float, n: int) -> None:
     for _ in range(n):
         child.observe(value)
@@ -91,11 +106,15 @@ def _observe_all_each(child: Any, values: list[float]) -> None:
         child.observe(value)
 
 
-DIRECT = Counting(_inc, _dec, _observe, _observe_many_at_once, _observe_all_at_once)
-METHODS = Counting(_inc_method, _dec_method, _observe_method, _observe_each, _observe_all_each)
+DIRECT = Counting(_inc, _dec, _observe, _observe_many_at_once, _observe_all_at_once, _observe_exemplar)
+METHODS = Counting(
+    _inc_method, _dec_method, _observe_method, _observe_each, _observe_all_each, _observe_exemplar_method
+)
 
 
-def direct_works(histogram: type[Any], counter: type[Any], gauge: type[Any], values: Any) -> bool:
+def direct_works(
+    histogram: type[Any], counter: type[Any], gauge: type[Any], values: Any, exemplar: type[Any]
+) -> bool:
     """Whether DIRECT counts what METHODS count in this prometheus_client: throwaway metrics of
     each kind, one counted each way, compared sample for sample. They hold their values in memory,
     never in the multiprocess directory (whose files every scrape reads): prometheus_client's
@@ -122,12 +141,16 @@ def direct_works(histogram: type[Any], counter: type[Any], gauge: type[Any], val
                 counting.observe_many(h, value, n)
                 counting.observe(h, value)
                 counting.observe_all(h, [value, 0.5, value])
+                counting.observe_exemplar(h, value, exemplar({"trace_id": f"{n:032x}"}, value, 0.0))
                 counting.inc(c, n)
                 counting.inc(g, n)
                 counting.dec(g)
         # Values that sum exactly in binary floating point; `_created` is each one's own time.
         for pair in pairs:
-            got, want = ([s[:3] for s in m._child_samples() if s.name != "_created"] for m in pair)
+            got, want = (
+                [(*s[:3], s.exemplar and s.exemplar[:2]) for s in m._child_samples() if s.name != "_created"]
+                for m in pair
+            )
             if got != want:
                 return False
         return True

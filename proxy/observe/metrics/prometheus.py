@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Collection, Iterator
 from importlib.metadata import version
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, values
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
+from prometheus_client.samples import Exemplar
 
 from proxy import __version__
 from proxy.core.errors import TIMEOUT_PHASES
@@ -54,9 +56,9 @@ IN_FLIGHT = "infertap_in_flight_requests"
 # Checked once, at import (proxy/observe/metrics/fast.py): a prometheus_client that no longer keeps
 # the attributes DIRECT counts into gets its own methods (slower, never wrong), not an
 # AttributeError per request.
-AT_ONCE = direct_works(Histogram, Counter, Gauge, values)
+AT_ONCE = direct_works(Histogram, Counter, Gauge, values, Exemplar)
 COUNTING = DIRECT if AT_ONCE else METHODS
-inc, dec, observe, observe_many, observe_all = COUNTING
+inc, dec, observe, observe_many, observe_all, observe_exemplar = COUNTING
 if not AT_ONCE:
     logging.getLogger("infertap.metrics").warning(
         "prometheus_client %s: every observation takes its own methods, and a burst of output "
@@ -447,7 +449,7 @@ class Metrics(Observer):
     def _observe_traced(self, child: Any, value: float, ex: Exchange) -> None:
         """With the request's trace id as the exemplar, where exemplars are on and it was traced."""
         if self.exemplars and ex.trace_id:
-            child.observe(value, {"trace_id": ex.trace_id})
+            observe_exemplar(child, value, Exemplar({"trace_id": ex.trace_id}, value, time.time()))
         else:
             observe(child, value)
 
