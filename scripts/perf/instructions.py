@@ -20,6 +20,7 @@ import dataclasses
 import glob
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -75,8 +76,9 @@ def main() -> None:
                 deadline = time.monotonic() + 300
                 while True:
                     try:
-                        if floor:
+                        if floor:  # its port once written, then a connection it accepts
                             port = int(port_file.read_text() or "x")
+                            socket.create_connection(("127.0.0.1", port), timeout=5).close()
                         else:
                             P.http_get_json(port, "/healthz", timeout=5)
                         break

@@ -44,7 +44,9 @@ _RANDOM = int(getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
 
 @dataclass(slots=True)
 class SpanRecord:
-    """A span being recorded (or, where the sampler dropped it, only its context)."""
+    """A span being recorded (or, where the sampler dropped it, only its context). Once it has
+    ended (`recording` false) nothing changes it, as nothing changes an ended SDK span: its
+    attributes and events are the exported span's, which the export thread reads."""
 
     name: str
     context: SpanContext
@@ -61,6 +63,8 @@ class SpanRecord:
     def set_attributes(self, attributes: Mapping[str, AttributeValue]) -> None:
         """As the SDK's span sets them: a key set again moves to the end (which a count limit cuts
         last)."""
+        if not self.recording:
+            return
         attrs = self.attributes
         if type(attrs) is dict and attrs.keys().isdisjoint(attributes):
             attrs.update(attributes)
@@ -78,12 +82,15 @@ class SpanRecord:
 
     def fail(self, kind: str, description: str) -> None:
         """ERROR with `error.type`, as the SDK's set_status would (an OK span stays OK)."""
+        if not self.recording:
+            return
         self.set_attributes({"error.type": kind})
         if self.status.status_code is not StatusCode.OK:
             self.status = Status(StatusCode.ERROR, description)
 
     def succeed(self) -> None:
-        self.status = OK
+        if self.recording:
+            self.status = OK
 
     def traceparent(self) -> tuple[str, str]:
         """W3C `traceparent` and `tracestate` ("" when empty) for a request made inside this span:
