@@ -20,6 +20,7 @@ from proxy.tools.bench.cli import exit_status
 from proxy.tools.bench.connection import ClientConnection
 from proxy.tools.bench.loadgen import Job, _check, run_job
 from proxy.tools.bench.nginx import find_nginx
+from proxy.tools.bench.processes import cpu_seconds
 from proxy.tools.bench.report import median_row
 from proxy.tools.bench.scenarios import scenarios
 from proxy.tools.bench.targets import targets
@@ -134,6 +135,34 @@ def test_the_exit_status_counts_infertaps_failures_not_a_reference_routers() -> 
     results["throughput"] = {"rows": [row("infertap", 3), row("direct", 1)]}
     failed, messages = exit_status(results)
     assert failed == 4 and messages[0].startswith("4 request(s) failed")
+
+
+# A process that spends CPU until its main thread's count is half-way between two 10 ms ticks,
+# says how much, and waits idle (as the bench's targets are between rounds).
+_BURN = """
+import sys, time
+while time.thread_time() < 0.002 or time.thread_time() % 0.01 < 0.005:
+    pass
+print(time.thread_time(), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="no schedstat(5) here")
+def test_the_event_loops_cpu_is_counted_finer_than_the_kernels_ticks() -> None:
+    """The overhead-metrics and tracing targets compare the main thread's CPU within 2%, over
+    rounds of a few hundred ms: counted in 10 ms ticks (utime + stime), the process below would
+    read 5 ms off."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _BURN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        spent = float(proc.stdout.readline())
+        counted = cpu_seconds([proc.pid], main_thread=True)
+    finally:
+        proc.communicate("")
+    assert abs(counted - spent) < 0.001, (counted, spent)
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads CPU and RSS from /proc")

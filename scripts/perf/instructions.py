@@ -10,7 +10,9 @@ they took (the kernel's are not counted) are divided by N. The counts include wh
 did meanwhile besides the requests (its timers), so compare runs of the same LOAD and N.
 A TREE of `floor:MODE` counts one of scripts/perf/stack_floor.py's minimal relays instead
 (`floor:uvicorn-proto`: the layers infertap is built on, without its own work), so that
-infertap's own instructions per request are the difference. Needs Debian's valgrind. LOAD: nonstream (8 at once), zero (zero-delay 100-token streams, 8 at
+infertap's own instructions per request are the difference. `LABEL=TREE,NAME=VALUE,...` runs
+TREE with those environment variables (`off=.,INFERTAP_METRICS__OVERHEAD=false`).
+Needs Debian's valgrind. LOAD: nonstream (8 at once), zero (zero-delay 100-token streams, 8 at
 once), paced (100-token streams 10 ms apart, 2 at once: an event per upstream read).
 """
 
@@ -49,6 +51,8 @@ def main() -> None:
     try:
         for arg in sys.argv[3:]:
             label, tree = arg.split("=", 1)
+            tree, *settings = tree.split(",")  # TREE,NAME=VALUE,...: infertap's environment
+            extra = dict(kv.split("=", 1) for kv in settings)
             floor = tree.removeprefix("floor:") if tree.startswith("floor:") else None
             tree = str(ROOT if floor else Path(tree).resolve())
             port = P.free_port()
@@ -71,7 +75,8 @@ def main() -> None:
             else:
                 cmd += ["serve", "--host", "127.0.0.1", "--port", str(port)]
                 cmd += ["--upstream", f"bench={up.url}/v1", "--forward-header", "x-bench-*"]
-            p = subprocess.Popen(cmd, env=dict(env, PYTHONPATH=tree), cwd=tree, stderr=subprocess.DEVNULL)
+            env_tree = dict(env, **extra, PYTHONPATH=tree)
+            p = subprocess.Popen(cmd, env=env_tree, cwd=tree, stderr=subprocess.DEVNULL)
             try:
                 deadline = time.monotonic() + 300
                 while True:

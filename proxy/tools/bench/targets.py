@@ -138,14 +138,16 @@ def targets() -> list[Target]:
             lambda r: _proxy(r, "non-stream c=64", "nginx_requests_per_s_ratio"),
         ),
         Target(
-            "CPU per stream, overhead metrics on / off",
+            # In the event loop's thread, where the overhead histograms and the lag probe run,
+            # counted in ns (processes.cpu_seconds): the all-threads ticks cannot resolve 2%.
+            "event-loop CPU per stream, overhead metrics on / off",
             "selfcost",
             "x",
             1.02,
             True,
             lambda r: ratio(
-                r["stream c=64", "infertap"]["cpu_ms_per_request"],
-                r["stream c=64", "infertap, overhead metrics off"]["cpu_ms_per_request"],
+                r["stream c=64", "infertap"]["main_thread_cpu_ms_per_request"],
+                r["stream c=64", "infertap, overhead metrics off"]["main_thread_cpu_ms_per_request"],
             ),
         ),
         Target(
