@@ -5,15 +5,16 @@ Why not the SDK's own `Span`: it cleans and copies every attribute under a lock 
 (`BoundedAttributes`), and a request's two spans carry about forty. That was most of tracing's
 cost on the event loop: 57-65 µs per request for the SDK alone making infertap's two spans, 6 µs
 for the same two `ReadableSpan`s made at their end (scripts/perf/otel_floor.py). infertap's
-attribute values come from typed fields (str, int, float, bool, a list of str), which the cleaning
-leaves as they are.
+attribute values come from typed fields (str, int, float, bool, a tuple of str), which the
+cleaning leaves as they are.
 
 What the SDK's tracer decides stays the SDK's: the provider's sampler (its attributes and trace
 state included), its id generator, its resource, and the span limits the OTEL_*_LIMIT variables
 set: where one is set below what infertap's spans can reach, records keep their attributes and
 events in the SDK's own `BoundedAttributes` and `BoundedList` from the start, as its spans do. A test
-replays recorded spans through the SDK's tracer and compares the OTLP encoding byte for byte
-(tests/test_tracing.py), so a change in the SDK that this would miss fails loudly.
+replays randomized spans through the SDK's tracer and compares every field and the OTLP encoding
+byte for byte (tests/test_tracing_record.py), so a change in the SDK that this would miss fails
+loudly.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ class SpanRecorder:
         limits = SpanLimits()
         self._limits = limits
         # Below these, a limit could cut one of infertap's spans (about 40 attributes, events of
-        # at most 3, one event per retry); at the SDK's defaults (128) none can.
+        # at most 3 attributes, one event per retry: at most 19, [retry] max_attempts <= 20); at
+        # the SDK's defaults (128) none can.
         self._limited = not (
             limits.max_span_attribute_length is None
             and limits.max_attribute_length is None

@@ -137,7 +137,8 @@ def render(report: dict[str, Any], markdown: bool) -> str:
         return "\n".join(lines + [f"{'- ' if markdown else 'note: '}{n}" for n in report["machine"]["notes"]])
     lines.append(
         "Times in ms; +X is the proxy minus direct, quantile by quantile; gap = inter-token gap at the "
-        "client; x direct, x nginx = req/s ratios; CPU = the proxy's utime+stime per completed request; "
+        "client; x direct, x nginx = req/s ratios; CPU = the proxy's CPU time (all its processes and "
+        "threads, in ns where Linux counts it) per completed request; "
         "each number is the median over the rounds (target order rotating), range = min..max over them. "
         "Under contention the direct row's own p99 rises: read the rows against it."
     )
