@@ -128,7 +128,10 @@ def _run(
         TraceContextTextMapPropagator().inject(carrier, trace.set_span_in_context(span))
         span.end(9_000)
         return carrier["traceparent"], carrier.get("tracestate", "")
-    recorder = SpanRecorder(provider, kept, "infertap", "9.9")
+    # ParentBased with its default delegates, as infertap's own sampler: a local parent's child
+    # follows it without the sampler being asked.
+    follows = isinstance(provider.sampler, ParentBased)
+    recorder = SpanRecorder(provider, kept, "infertap", "9.9", children_follow_parent=follows)
     rec = recorder.start("chat m", SpanKind.SERVER, dict(start_attrs), 1_000, parent_ctx, context)
     for i, step in enumerate(steps):
         if step[0] == "set":

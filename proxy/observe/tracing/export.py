@@ -80,6 +80,9 @@ def service_resource(ts: TracingSettings) -> Resource:
 
 
 def default_sampler(ts: TracingSettings, environ: Mapping[str, str] = os.environ) -> Sampler | None:
+    """The sample ratio, parent-based; None where OTEL_TRACES_SAMPLER names the SDK's. Its children
+    of a local parent follow the parent (ParentBased's default delegates): the tracing observer's
+    attempt spans count on that (`SpanRecorder(children_follow_parent=True)`)."""
     if environ.get("OTEL_TRACES_SAMPLER", "").strip():
         return None  # the SDK reads OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG itself
     return ParentBased(TraceIdRatioBased(ts.sample_ratio))

@@ -31,16 +31,21 @@ from opentelemetry.sdk.trace.sampling import Decision
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace.span import TraceState
 from opentelemetry.util.types import AttributeValue
 
 Attrs = dict[str, AttributeValue]
 
 UNSET = Status(StatusCode.UNSET)
 OK = Status(StatusCode.OK)
-_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
-_NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 # W3C Trace Context level 2's random-trace-id flag (opentelemetry-api 1.39 on): 0 before it.
 _RANDOM = int(getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
+# A span's flags by (sampled, random trace id), made once.
+_FLAGS = {
+    (sampled, random): TraceFlags((TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT) | random)
+    for sampled in (False, True)
+    for random in {0, _RANDOM}
+}
 
 
 @dataclass(slots=True)
@@ -105,7 +110,19 @@ class SpanRecorder:
     """Starts records the way the SDK's Tracer.start_span starts spans, and ends them into the
     span processor."""
 
-    def __init__(self, provider: TracerProvider, processor: SpanProcessor, name: str, version: str) -> None:
+    def __init__(
+        self,
+        provider: TracerProvider,
+        processor: SpanProcessor,
+        name: str,
+        version: str,
+        *,
+        children_follow_parent: bool = False,
+    ) -> None:
+        """`children_follow_parent`: the provider's sampler is a ParentBased whose delegates for a
+        local parent are its defaults (ALWAYS_ON, ALWAYS_OFF), as infertap's own is: a span whose
+        parent is local then takes the parent's decision and trace state without asking it."""
+        self._follow = children_follow_parent
         self._sampler = provider.sampler
         self._ids = provider.id_generator
         self._resource = provider.resource
@@ -148,21 +165,65 @@ class SpanRecorder:
         else:
             trace_id = parent.trace_id
             random = parent.trace_flags & _RANDOM
+            if self._follow and not parent.is_remote:
+                # What ParentBased's ALWAYS_ON / ALWAYS_OFF delegates answer (StaticSampler).
+                sampled = parent.trace_flags.sampled
+                return self._made(
+                    name,
+                    kind,
+                    start,
+                    parent,
+                    trace_id,
+                    random,
+                    Decision.RECORD_AND_SAMPLE if sampled else Decision.DROP,
+                    attributes,
+                    parent.trace_state,
+                )
             if parent_context is None:
                 parent_context = trace.set_span_in_context(NonRecordingSpan(parent))
         result = self._sampler.should_sample(parent_context, trace_id, name, kind, attributes, ())
-        decision = result.decision
-        flags = _SAMPLED if decision is Decision.RECORD_AND_SAMPLE else _NOT_SAMPLED
-        if random:
-            flags = TraceFlags(flags | random)
-        context = SpanContext(trace_id, self._ids.generate_span_id(), False, flags, result.trace_state)
+        return self._made(
+            name,
+            kind,
+            start,
+            parent,
+            trace_id,
+            random,
+            result.decision,
+            result.attributes,
+            result.trace_state,
+        )
+
+    def _made(
+        self,
+        name: str,
+        kind: SpanKind,
+        start: int,
+        parent: SpanContext | None,
+        trace_id: int,
+        random: int,
+        decision: Decision,
+        sampled_attributes: Mapping[str, AttributeValue] | None,
+        trace_state: TraceState | None,
+    ) -> SpanRecord:
+        """The record of a span the sampler decided on; `sampled_attributes` are its attributes
+        as the sampler returned them."""
+        flags = _FLAGS[decision is Decision.RECORD_AND_SAMPLE, random]
+        context = SpanContext(trace_id, self._ids.generate_span_id(), False, flags, trace_state)
         recording = decision is not Decision.DROP
+        if not recording:
+            return SpanRecord(name, context, parent, kind, start, recording, {})
         if not self._limited:
-            attrs = dict(result.attributes) if recording else {}
+            # Usually a read-only view of the attributes the sampler was given: a mappingproxy's
+            # copy() is its mapping's (dict(view) would go key by key).
+            copy = getattr(sampled_attributes, "copy", None)
+            attrs = copy() if copy is not None else dict(sampled_attributes or {})
+            if type(attrs) is not dict:
+                attrs = dict(attrs)
             return SpanRecord(name, context, parent, kind, start, recording, attrs)
         lim = self._limits
         bounded = BoundedAttributes(
-            lim.max_span_attributes, result.attributes, False, lim.max_span_attribute_length
+            lim.max_span_attributes, sampled_attributes, False, lim.max_span_attribute_length
         )
         events: BoundedList[Event] = BoundedList(lim.max_events)
         return SpanRecord(

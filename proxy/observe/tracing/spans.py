@@ -177,13 +177,16 @@ class TracingObserver(Observer):
             processor = BatchSpanProcessor(exporter)
         self.capture_content = settings.capture_content
         self.content_max_chars = settings.content_max_chars
+        ours = default_sampler(settings) if sampler is None else None
         self.provider = TracerProvider(
             resource=resource if resource is not None else service_resource(settings),
-            sampler=sampler if sampler is not None else default_sampler(settings),
+            sampler=sampler if sampler is not None else ours,
         )
         # The provider owns the processor (its shutdown flushes it); the spans go to it directly.
         self.provider.add_span_processor(processor)
-        self._spans = SpanRecorder(self.provider, processor, "infertap", __version__)
+        self._spans = SpanRecorder(
+            self.provider, processor, "infertap", __version__, children_follow_parent=ours is not None
+        )
         self._propagator = TraceContextTextMapPropagator()
 
     def request_received(self, ex: Exchange) -> None:
