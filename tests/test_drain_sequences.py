@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from proxy.app import create_app
 from proxy.tools.fake_upstream import FakeUpstream
-from tests.conftest import RecordingObserver, make_settings, serve_in_thread
+from tests.conftest import RecordingObserver, make_settings, serve_in_thread, wait_until
 from tests.promtext import scrape, value
 
 BODY = {
@@ -108,3 +108,32 @@ def test_every_stream_completes_or_ends_visibly(
     assert value(text, "infertap_in_flight_requests") == 0
     for name, n in outcomes.items():
         assert value(text, "infertap_requests_total", outcome=name) == n
+
+
+def test_a_stream_the_drain_cuts_after_its_done_ends_whole(fake: str) -> None:
+    """The client already has `[DONE]` when the drain time runs out (the upstream never ended the
+    body): the stream ends cleanly with outcome `ok`, no `shutdown` error event after `[DONE]`.
+    Found by the randomized test above on a loaded CI machine (one 3-event stream, drain time
+    0.05 s, the upstream's last empty chunk not yet read); here the upstream holds it back."""
+    s = make_settings(("fake", fake))
+    s.server.drain_delay = 0.0
+    s.server.drain_timeout = 0.05
+    rec = RecordingObserver()
+    app = create_app(s, [rec])
+    headers = {"x-fake-events": "3", "x-fake-hang": "after-done"}
+    with serve_in_thread(app) as base:
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=BODY, headers=headers, timeout=30) as r:
+            got = b""
+            chunks = r.iter_raw()
+            while b"data: [DONE]" not in got:
+                got += next(chunks)
+            drain = app.runtime.drain
+            assert drain._loop is not None
+            drain._loop.call_soon_threadsafe(drain.begin)
+            got += b"".join(chunks)  # until infertap ends the body
+        rid = r.headers["x-request-id"]
+        wait_until(lambda: rec.terminal_count(rid) == 1, what="the request's end")
+    assert got.endswith(b"data: [DONE]\n\n") and b'"shutdown"' not in got, got
+    assert got.count(b'"content":"tok') == 3
+    outcome = rec.exchanges[rid].outcome
+    assert outcome is not None and outcome.value == "ok", outcome

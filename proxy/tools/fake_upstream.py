@@ -7,8 +7,9 @@ upstream behaviour while the same server instance records what it received and s
   x-fake-gap-ms: G          gap between content events
   x-fake-ttft-ms: T         delay before the first content event (the role chunk goes at once)
   x-fake-status: S          answer status S with an OpenAI-style error body
-  x-fake-hang: WHERE        never go on: before-headers | after-role | after-first | mid-body
-                            (mid-body: half of a whole JSON answer)
+  x-fake-hang: WHERE        never go on: before-headers | after-role | after-first | mid-body |
+                            after-done (mid-body: half of a whole JSON answer; after-done: the
+                            stream's `data: [DONE]` sent, its body never ended)
   x-fake-no-done: 1         end the stream without `data: [DONE]`
   x-fake-cut: K             drop the connection after K content events
   x-fake-fail-first: N      answer the first N requests of a request id with x-fake-fail-status
@@ -294,6 +295,8 @@ class FakeUpstream:
             await emit(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
         if h.get("x-fake-no-done") != "1":
             await emit(b"data: [DONE]\n\n")
+        if hang == "after-done":
+            await asyncio.Event().wait()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

@@ -99,7 +99,15 @@ async def guarded(runner: Runner, receive: Receive, send: Send, call: Call) -> N
             if ours:
                 task.uncancel()
             watcher.cancel()
-            await _shutdown_end(runner, send, call)
+            whole = _whole(call)
+            if whole is not None:
+                # Cut after the stream's end marker: the client has the whole answer, and an error
+                # event after `[DONE]` would contradict it. The body is ended as the upstream would.
+                take_facts(ex, whole)
+                await _finish(send)
+                runner.end(ex, Outcome.OK)
+            else:
+                await _shutdown_end(runner, send, call)
             if not ours:
                 raise
             return
@@ -120,6 +128,15 @@ async def guarded(runner: Runner, receive: Receive, send: Send, call: Call) -> N
         watcher.cancel()
         quiet(call)
         runner.tasks.discard(task)
+
+
+async def _finish(send: Send) -> None:
+    """The body's end, within a second: a client that does not read cannot hold the exit."""
+    try:
+        async with asyncio.timeout(1.0):
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except (TimeoutError, OSError, RuntimeError):
+        pass
 
 
 async def _shutdown_end(runner: Runner, send: Send, call: Call) -> None:

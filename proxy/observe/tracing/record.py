@@ -3,8 +3,9 @@ the SDK's `ReadableSpan` once, when it ends, and handed to the span processor.
 
 Why not the SDK's own `Span`: it cleans and copies every attribute under a lock as it is set
 (`BoundedAttributes`), and a request's two spans carry about forty. That was most of tracing's
-cost on the event loop: 57-65 µs per request for the SDK alone making infertap's two spans, 6 µs
-for the same two `ReadableSpan`s made at their end (scripts/perf/otel_floor.py). infertap's
+cost on the event loop: the SDK alone takes about 65 µs per request to make infertap's two spans
+(scripts/perf/otel_floor.py), the observer with these records about 24 µs for all its hooks
+(docs/benchmarks.md, "Tracing: spans made once, at their end"). infertap's
 attribute values come from typed fields (str, int, float, bool, a tuple of str), which the
 cleaning leaves as they are.
 
