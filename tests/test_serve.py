@@ -122,6 +122,17 @@ def _children(pid: int) -> list[int]:
 )
 def test_the_embedded_engine_never_outlives_the_proxy(sig: signal.Signals, exit_code: int) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("INFERTAP_", "TAOTOKEN_"))}
+    # Ctrl-C at a terminal finds SIGINT at its default. A shell's background job (`.ci/run &` in a
+    # script) inherits it ignored, and so would the server started here: uvicorn then shuts down
+    # on it as on any SIGINT but cannot end by it (exit 0), as a program that was told to ignore it.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # not inherited: the default
+    try:
+        _end_by(sig, exit_code, env)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _end_by(sig: signal.Signals, exit_code: int, env: dict[str, str]) -> None:
     with serve_process(env=env) as (base, proc):
         wait_until(lambda: httpx.get(f"{base}/readyz").status_code == 200, 30, "the embedded engine")
         (sim,) = _children(proc.pid)
