@@ -169,31 +169,15 @@ class SpanRecorder:
             if self._follow and not parent.is_remote:
                 # What ParentBased's ALWAYS_ON / ALWAYS_OFF delegates answer (StaticSampler).
                 sampled = parent.trace_flags.sampled
-                return self._made(
-                    name,
-                    kind,
-                    start,
-                    parent,
-                    trace_id,
-                    random,
-                    Decision.RECORD_AND_SAMPLE if sampled else Decision.DROP,
-                    attributes,
-                    parent.trace_state,
-                )
+                decision = Decision.RECORD_AND_SAMPLE if sampled else Decision.DROP
+                span: tuple[Decision, Mapping[str, AttributeValue] | None, TraceState | None]
+                span = (decision, attributes, parent.trace_state)
+                return self._made(name, kind, start, parent, trace_id, random, *span)
             if parent_context is None:
                 parent_context = trace.set_span_in_context(NonRecordingSpan(parent))
         result = self._sampler.should_sample(parent_context, trace_id, name, kind, attributes, ())
-        return self._made(
-            name,
-            kind,
-            start,
-            parent,
-            trace_id,
-            random,
-            result.decision,
-            result.attributes,
-            result.trace_state,
-        )
+        span = (result.decision, result.attributes, result.trace_state)
+        return self._made(name, kind, start, parent, trace_id, random, *span)
 
     def _made(
         self,
