@@ -99,15 +99,7 @@ async def guarded(runner: Runner, receive: Receive, send: Send, call: Call) -> N
             if ours:
                 task.uncancel()
             watcher.cancel()
-            whole = _whole(call)
-            if whole is not None:
-                # Cut after the stream's end marker: the client has the whole answer, and an error
-                # event after `[DONE]` would contradict it. The body is ended as the upstream would.
-                take_facts(ex, whole)
-                await _finish(send)
-                runner.end(ex, Outcome.OK)
-            else:
-                await _shutdown_end(runner, send, call)
+            await _shutdown_end(runner, send, call)
             if not ours:
                 raise
             return
@@ -130,29 +122,29 @@ async def guarded(runner: Runner, receive: Receive, send: Send, call: Call) -> N
         runner.tasks.discard(task)
 
 
-async def _finish(send: Send) -> None:
-    """The body's end, within a second: a client that does not read cannot hold the exit."""
-    try:
-        async with asyncio.timeout(1.0):
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-    except (TimeoutError, OSError, RuntimeError):
-        pass
-
-
 async def _shutdown_end(runner: Runner, send: Send, call: Call) -> None:
     """A request cut by shutdown: an SSE error event, a 503 before commit, or (a plain body that
-    cannot be finished) an aborted connection. Never a silent clean end."""
+    cannot be finished) an aborted connection. Never a silent clean end. A stream cut after its
+    end marker went out is whole, though: an error event after `[DONE]` would contradict it, so its
+    body is ended as the upstream would have, outcome `ok`."""
     msg = "infertap is shutting down: the drain time ran out before this request finished; retry it"
     outcome = Outcome.SHUTDOWN
+    whole = _whole(call)
     try:
         async with asyncio.timeout(1.0):  # a client that does not read cannot hold the exit
-            if call.committed_sse:
+            if whole is not None:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            elif call.committed_sse:
                 await end_in_band(send, call, msg, outcome.value)
             elif not call.committed:
                 await send_error(send, 503, msg, outcome.value, "shutting_down", call.rid)
     except (TimeoutError, OSError, RuntimeError):
         pass
-    runner.end(call.ex, outcome, 503, msg)
+    if whole is not None:
+        take_facts(call.ex, whole)
+        runner.end(call.ex, Outcome.OK)
+    else:
+        runner.end(call.ex, outcome, 503, msg)
 
 
 def _whole(call: Call) -> StreamFacts | None:
