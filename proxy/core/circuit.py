@@ -46,6 +46,8 @@ class Breaker:
         "cooldown",
         "_width",
         "_buckets",
+        "_calls",
+        "_failures",
         "open_until",
         "opened_at",
         "probe",
@@ -60,6 +62,8 @@ class Breaker:
         self.cooldown = cooldown
         self._width = window / _BUCKETS
         self._buckets: deque[list[int]] = deque()  # [slice index, calls, failures]
+        # The buckets' sums, kept as they change: every request's record reads them.
+        self._calls = self._failures = 0
         self.open_until = 0.0  # 0.0: closed
         self.opened_at = 0.0
         self.probe: Permit | None = None
@@ -123,33 +127,44 @@ class Breaker:
             self.open_until = now + self.cooldown
             self.opened_at = now
             self.tripped = (failures, calls)
-            self._buckets.clear()
+            self._forget()
             return True
         return False
 
     def counts(self, now: float) -> tuple[int, int]:
         """(calls, failures) in the window now."""
         self._expire(int(now / self._width))
-        return sum(b[1] for b in self._buckets), sum(b[2] for b in self._buckets)
+        return self._calls, self._failures
 
     def _count(self, now: float, ok: bool) -> tuple[int, int]:
         index = int(now / self._width)
         self._expire(index)
-        if not self._buckets or self._buckets[-1][0] != index:
-            self._buckets.append([index, 0, 0])
-        last = self._buckets[-1]
+        buckets = self._buckets
+        if not buckets or buckets[-1][0] != index:
+            buckets.append([index, 0, 0])
+        last = buckets[-1]
         last[1] += 1
-        last[2] += not ok
-        return sum(b[1] for b in self._buckets), sum(b[2] for b in self._buckets)
+        self._calls += 1
+        if not ok:
+            last[2] += 1
+            self._failures += 1
+        return self._calls, self._failures
 
     def _expire(self, index: int) -> None:
-        while self._buckets and self._buckets[0][0] <= index - _BUCKETS:
-            self._buckets.popleft()
+        buckets = self._buckets
+        while buckets and buckets[0][0] <= index - _BUCKETS:
+            _, calls, failures = buckets.popleft()
+            self._calls -= calls
+            self._failures -= failures
+
+    def _forget(self) -> None:
+        self._buckets.clear()
+        self._calls = self._failures = 0
 
     def _close(self) -> None:
         self.open_until = 0.0
         self.probe = None
-        self._buckets.clear()
+        self._forget()
 
     def describe(self, now: float) -> str:
         """Why the circuit is open and when it is tried again; key-free (causes are built so)."""

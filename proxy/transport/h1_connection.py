@@ -101,9 +101,20 @@ class H1Connection(asyncio.Protocol):
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
             self._end(h1_errors.error(e))
             self.close()
-        if self.bodies:
+        bodies = self.bodies
+        if bodies:
             if self.resp is resp:
-                resp.take(self.bodies)
+                pipe = resp._pipe
+                if pipe is not None and len(bodies) == 1:
+                    # A piped stream's usual read, one body piece: straight to the relay (take's
+                    # first case, without its frame: this runs once a token).
+                    data = bodies.pop()
+                    try:
+                        pipe(data)
+                    except Exception as e:
+                        resp._settle(e)
+                    return
+                resp.take(bodies)
             else:  # after the answer was complete (a HEAD's, at its head): bytes nobody asked for
                 self.bodies.clear()
                 self.close()

@@ -183,7 +183,14 @@ async def relay_piped(sink: Sink, resp: Piped, ex: Exchange, obs: ObserverSet, s
         push(out)
         if outputs:
             now = perf()
-            stamp_outputs(ex, obs, outputs, now)
+            last = ex.last_token_at
+            if outputs == 1 and last is not None and now < ex.gaps_due:
+                # stamp_outputs' usual case (one more token, no hand-over due), without its frame.
+                ex.last_token_at = now
+                ex.output_events += 1
+                ex.gaps.append(now - last)
+            else:
+                stamp_outputs(ex, obs, outputs, now)
             if ex.first_answer_at is None and facts.answered:
                 ex.first_answer_at = now
 
