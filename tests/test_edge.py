@@ -321,4 +321,4 @@ def test_the_uvicorn_code_the_raw_cycle_mirrors_is_unchanged() -> None:
         for (cls, name), digest in _UVICORN_CODE.items()
         if hashlib.sha256(inspect.getsource(getattr(cls, name)).encode()).hexdigest()[:16] != digest
     ]
-    assert not changed, f"uvicorn changed {changed}: review proxy/server/raw_cycle.py, raw_routes.py and edge.py"
+    assert not changed, f"uvicorn changed {changed}: review proxy/server's raw_cycle, raw_routes and edge"

@@ -62,6 +62,10 @@ class TokenSource(StrEnum):
     ESTIMATED = "estimated"  # counted output events; an event may carry several tokens
 
 
+# An Enum's members read from its class go through EnumType's __getattr__ hook: once, here.
+_USAGE, _ESTIMATED = TokenSource.USAGE, TokenSource.ESTIMATED
+
+
 @dataclass(slots=True, eq=False)
 class Exchange:
     """Monotonic timestamps come from time.perf_counter(); only `started_unix_ns` is wall-clock."""
@@ -188,7 +192,7 @@ class Exchange:
     def token_source(self) -> TokenSource:
         # Embeddings produce no completion: their usage holds the prompt tokens alone.
         counted = self.prompt_tokens if self.route == "embeddings" else self.completion_tokens
-        return TokenSource.USAGE if counted is not None else TokenSource.ESTIMATED
+        return _USAGE if counted is not None else _ESTIMATED
 
     @property
     def ttft_of_attempt(self) -> float | None:

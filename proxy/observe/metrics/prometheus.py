@@ -56,6 +56,9 @@ IN_FLIGHT = "infertap_in_flight_requests"
 # Checked once, at import (proxy/observe/metrics/fast.py): a prometheus_client that no longer keeps
 # the attributes DIRECT counts into gets its own methods (slower, never wrong), not an
 # AttributeError per request.
+# The outcomes `ended` compares, as the strings its labels carry (an Enum member's `value` is a
+# property, and reading a member off its class goes through EnumType's __getattr__).
+_OK, _REJECTED, _CLIENT_DISCONNECT = Outcome.OK.value, Outcome.REJECTED.value, Outcome.CLIENT_DISCONNECT.value
 AT_ONCE = direct_works(Histogram, Counter, Gauge, values, Exemplar)
 COUNTING = DIRECT if AT_ONCE else METHODS
 inc, dec, observe, observe_many, observe_all, observe_exemplar = COUNTING
@@ -376,7 +379,7 @@ class Metrics(Observer):
     def ended(self, ex: Exchange) -> None:
         model, routed = ex.scratch["metrics"]
         upstream = ex.upstream or NONE
-        outcome = ex.outcome.value if ex.outcome is not None else NONE
+        outcome = ex.outcome._value_ if ex.outcome is not None else NONE  # not the slower `value`
         stream = "true" if ex.stream else "false"
         dec(self._c(self.in_flight, routed))
         if self.overhead_on:
@@ -388,17 +391,17 @@ class Metrics(Observer):
         if ex.replica is not None:
             self.pools.ended(ex, outcome)
         if ex.attempts:
-            result = "cancelled" if ex.outcome is Outcome.CLIENT_DISCONNECT else outcome
+            result = "cancelled" if outcome == _CLIENT_DISCONNECT else outcome
             inc(self._c(self.attempts, upstream, result))
         phase = TIMEOUT_PHASES.get(outcome)
         if phase is not None:
             inc(self._c(self.timeouts, upstream, phase))
-        if ex.outcome is Outcome.REJECTED:
+        if outcome == _REJECTED:
             return
         duration = ex.duration
         if duration is not None:
             self._observe_traced(self._c(self.duration, ex.route, model, upstream, stream), duration, ex)
-        if ex.outcome is not Outcome.OK:
+        if outcome != _OK:
             return
         tpot = ex.tpot
         if tpot is not None:

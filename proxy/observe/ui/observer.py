@@ -38,7 +38,7 @@ from proxy.settings import RELOADABLE, Settings, display_url, public_config
 MAX_MODEL_CHARS = 120
 CHARTED_MODELS = 12
 NAMES = tuple(f"p{round(q * 100)}" for q in QUANTILES)
-_OK = Outcome.OK.value
+_OK, _REJECTED = Outcome.OK.value, Outcome.REJECTED.value
 
 
 class UIObserver(Observer):
@@ -115,7 +115,7 @@ class UIObserver(Observer):
     def ended(self, ex: Exchange) -> None:
         model, routed = ex.scratch.get("ui") or (self.model_label(ex.model), ex.upstream or NONE)
         upstream = ex.upstream or NONE
-        outcome = ex.outcome.value if ex.outcome is not None else NONE
+        outcome = ex.outcome._value_ if ex.outcome is not None else NONE  # not the slower `value`
         self.in_flight -= 1
         self.in_flight_by[routed] = self.in_flight_by.get(routed, 1) - 1
         now = self.clock()
@@ -140,7 +140,7 @@ class UIObserver(Observer):
             second.completion_tokens += completion
             self.prompt_tokens += prompt
             self.completion_tokens += completion
-        rejected = ex.outcome is Outcome.REJECTED
+        rejected = outcome == _REJECTED
         self.recent.append(
             (
                 self.wall(),  # when it ended: the table's order
