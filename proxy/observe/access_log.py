@@ -28,7 +28,9 @@ QUIET_ROUTES = frozenset({"healthz", "readyz", "metrics", "ui"})
 
 
 def _r(value: float | None) -> float | None:
-    return None if value is None else round(value, 6)
+    # To the microsecond: round(value, 6)'s decimal rounding costs three times as much, for the
+    # same digits but in a halfway case.
+    return None if value is None else round(value * 1e6) / 1e6
 
 
 @functools.lru_cache(maxsize=4)  # a line per request, a strftime per second

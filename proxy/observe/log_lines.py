@@ -18,6 +18,9 @@ import time
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
+# asctime's milliseconds, made once: formatting `:03d` for every line cost a tenth of writing it.
+_MILLIS = tuple(f",{ms:03d}" for ms in range(1000))
+
 
 class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """The handler `install` gives the root logger: stderr, LOG_FORMAT."""
@@ -73,7 +76,7 @@ class LineWriter:
         if second != self._second:
             self._second = second
             self._stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created))
-        return f"{self._stamp},{int((created - second) * 1000):03d}"
+        return self._stamp + _MILLIS[int((created - second) * 1000)]
 
     def write(self, level: int, message: str) -> None:
         """Logs `message` at `level` (enabled: the caller checked isEnabledFor)."""

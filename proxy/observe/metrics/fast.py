@@ -16,7 +16,9 @@ No prometheus_client import here (only prometheus.py may): the classes to check 
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 
@@ -71,10 +73,9 @@ def _observe_all_at_once(child: Any, values: list[float]) -> None:
         child._sum.inc(value)
         buckets[bisect_left(bounds, value)].inc(1)
         return
-    counts: dict[int, int] = {}
-    for value in values:
-        i = bisect_left(bounds, value)
-        counts[i] = counts.get(i, 0) + 1
+    # Each value's bucket found and counted in C (map, Counter's counting loop): a stream's second
+    # of gaps is a hundred of them, and a Python loop over them cost as much as the bisections.
+    counts = Counter(map(partial(bisect_left, bounds), values))
     for i, n in counts.items():
         buckets[i].inc(n)
     child._sum.inc(sum(values))
