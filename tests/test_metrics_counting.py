@@ -14,7 +14,7 @@ from prometheus_client.samples import Exemplar
 
 from proxy.observe.metrics import prometheus
 from proxy.observe.metrics.buckets import TTFT_BUCKETS
-from proxy.observe.metrics.fast import DIRECT, METHODS, Counting, direct_works
+from proxy.observe.metrics.fast import DIRECT, METHODS, UNLOCKED, Counting, direct_works
 from tests.promtext import samples
 
 VALUES = st.one_of(
@@ -67,11 +67,13 @@ def _count(counting: Counting, ops: list[tuple[str, Any]]) -> tuple[list[Any], l
     return exposed, exemplars
 
 
+@pytest.mark.parametrize("direct", [DIRECT, UNLOCKED], ids=["direct", "unlocked"])
 @given(ops=OPS)
 @settings(max_examples=200, deadline=None)
-def test_direct_counting_exposes_what_the_methods_do(ops: list[tuple[str, Any]]) -> None:
-    assert prometheus.COUNTING is DIRECT  # the prometheus_client installed here: the fast path is in use
-    (got, got_exemplars), (want, want_exemplars) = _count(DIRECT, ops), _count(METHODS, ops)
+def test_direct_counting_exposes_what_the_methods_do(direct: Counting, ops: list[tuple[str, Any]]) -> None:
+    # The prometheus_client installed here, one process: the fastest path is in use.
+    assert prometheus.COUNTING is UNLOCKED
+    (got, got_exemplars), (want, want_exemplars) = _count(direct, ops), _count(METHODS, ops)
     assert [s[:2] for s in got] == [s[:2] for s in want]
     assert [s[2] for s in got] == pytest.approx([s[2] for s in want], rel=1e-9, abs=1e-6)
     assert got_exemplars == want_exemplars
@@ -109,3 +111,32 @@ def test_a_prometheus_client_that_keeps_exemplars_elsewhere_is_counted_by_its_me
             return [s._replace(exemplar=last) if s.name == "_bucket" else s for s in super()._child_samples()]
 
     assert not direct_works(Elsewhere, Counter, Gauge, values, Exemplar)
+
+
+def test_a_prometheus_client_whose_in_memory_value_changed_is_counted_under_its_lock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """UNLOCKED writes the in-memory value's float itself: a release that keeps it under another
+    name is counted through the value's own (locked) methods, as DIRECT does."""
+
+    class Renamed(values.MutexValue):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+            self._total = 0.0
+
+        def inc(self, amount: float) -> None:
+            with self._lock:
+                self._total += amount
+
+        def set(self, value: float, timestamp: float | None = None) -> None:
+            with self._lock:
+                self._total = value
+
+        def get(self) -> float:
+            with self._lock:
+                return self._total
+
+    assert direct_works(Histogram, Counter, Gauge, values, Exemplar, UNLOCKED)
+    monkeypatch.setattr(values, "MutexValue", Renamed)
+    assert direct_works(Histogram, Counter, Gauge, values, Exemplar, DIRECT)
+    assert not direct_works(Histogram, Counter, Gauge, values, Exemplar, UNLOCKED)

@@ -107,19 +107,61 @@ def _observe_all_each(child: Any, values: list[float]) -> None:
         child.observe(value)
 
 
+# In one process (prometheus_client's MutexValue), the float itself, without the value's lock:
+# infertap counts only on its event loop's thread (the observers' hooks, the loop-lag probe), so no
+# two writers meet, and a scrape's read under the lock sees one float or the next (the GIL swaps
+# the attribute whole). The lock and the method call around it were half of a count's cost.
+def _inc_unlocked(child: Any, amount: float = 1) -> None:
+    child._value._value += amount
+
+
+def _dec_unlocked(child: Any, amount: float = 1) -> None:
+    child._value._value -= amount
+
+
+def _observe_unlocked(child: Any, value: float) -> None:
+    child._sum._value += value
+    child._buckets[bisect_left(child._upper_bounds, value)]._value += 1
+
+
+def _observe_many_unlocked(child: Any, value: float, n: int) -> None:
+    child._sum._value += value * n
+    child._buckets[bisect_left(child._upper_bounds, value)]._value += n
+
+
+def _observe_all_unlocked(child: Any, values: list[float]) -> None:
+    buckets = child._buckets
+    for i, n in Counter(map(partial(bisect_left, child._upper_bounds), values)).items():
+        buckets[i]._value += n
+    child._sum._value += sum(values)
+
+
 DIRECT = Counting(_inc, _dec, _observe, _observe_many_at_once, _observe_all_at_once, _observe_exemplar)
+UNLOCKED = Counting(
+    _inc_unlocked,
+    _dec_unlocked,
+    _observe_unlocked,
+    _observe_many_unlocked,
+    _observe_all_unlocked,
+    _observe_exemplar,
+)
 METHODS = Counting(
     _inc_method, _dec_method, _observe_method, _observe_each, _observe_all_each, _observe_exemplar_method
 )
 
 
 def direct_works(
-    histogram: type[Any], counter: type[Any], gauge: type[Any], values: Any, exemplar: type[Any]
+    histogram: type[Any],
+    counter: type[Any],
+    gauge: type[Any],
+    values: Any,
+    exemplar: type[Any],
+    direct: Counting = DIRECT,
 ) -> bool:
-    """Whether DIRECT counts what METHODS count in this prometheus_client: throwaway metrics of
-    each kind, one counted each way, compared sample for sample. They hold their values in memory,
-    never in the multiprocess directory (whose files every scrape reads): prometheus_client's
-    in-memory value class (`values.MutexValue`) is chosen for them."""
+    """Whether `direct` (DIRECT or UNLOCKED) counts what METHODS count in this prometheus_client:
+    throwaway metrics of each kind, one counted each way, compared sample for sample. They hold
+    their values in memory, never in the multiprocess directory (whose files every scrape reads):
+    prometheus_client's in-memory value class (`values.MutexValue`) is chosen for them."""
     chosen = values.ValueClass
     try:
         values.ValueClass = values.MutexValue
@@ -137,7 +179,7 @@ def direct_works(
         for value, n in ((0.0, 3), (0.5, 2), (0.75, 4), (1.0, 1), (7.0, 5), (-1.0, 1)):
             for counting, h, c, g in (
                 (METHODS, h_method, c_method, g_method),
-                (DIRECT, h_direct, c_direct, g_direct),
+                (direct, h_direct, c_direct, g_direct),
             ):
                 counting.observe_many(h, value, n)
                 counting.observe(h, value)

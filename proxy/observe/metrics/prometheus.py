@@ -30,7 +30,7 @@ from proxy.observe.metrics.buckets import (
     TOKEN_BUCKETS,
     TTFT_BUCKETS,
 )
-from proxy.observe.metrics.fast import DIRECT, METHODS, _observe_each, direct_works
+from proxy.observe.metrics.fast import DIRECT, METHODS, UNLOCKED, _observe_each, direct_works
 from proxy.observe.metrics.labels import NONE, OTHER, ModelLabels, multiprocess_dir
 from proxy.observe.metrics.loop_lag import LoopLagProbe
 from proxy.observe.metrics.pools import PoolMetrics
@@ -60,7 +60,11 @@ IN_FLIGHT = "infertap_in_flight_requests"
 # property, and reading a member off its class goes through EnumType's __getattr__).
 _OK, _REJECTED, _CLIENT_DISCONNECT = Outcome.OK.value, Outcome.REJECTED.value, Outcome.CLIENT_DISCONNECT.value
 AT_ONCE = direct_works(Histogram, Counter, Gauge, values, Exemplar)
-COUNTING = DIRECT if AT_ONCE else METHODS
+# Without the values' locks only where they are in memory (one process): with --workers N each
+# value is a file's slot, written under its lock.
+IN_MEMORY = values.ValueClass is values.MutexValue
+UNLOCKED_WORKS = IN_MEMORY and direct_works(Histogram, Counter, Gauge, values, Exemplar, UNLOCKED)
+COUNTING = UNLOCKED if UNLOCKED_WORKS else DIRECT if AT_ONCE else METHODS
 inc, dec, observe, observe_many, observe_all, observe_exemplar = COUNTING
 if not AT_ONCE:
     logging.getLogger("infertap.metrics").warning(
