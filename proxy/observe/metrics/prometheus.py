@@ -53,12 +53,13 @@ UPSTREAM_UP = "infertap_upstream_up"
 IN_FLIGHT = "infertap_in_flight_requests"
 
 
-# Checked once, at import (proxy/observe/metrics/fast.py): a prometheus_client that no longer keeps
-# the attributes DIRECT counts into gets its own methods (slower, never wrong), not an
-# AttributeError per request.
 # The outcomes `ended` compares, as the strings its labels carry (an Enum member's `value` is a
 # property, and reading a member off its class goes through EnumType's __getattr__).
 _OK, _REJECTED, _CLIENT_DISCONNECT = Outcome.OK.value, Outcome.REJECTED.value, Outcome.CLIENT_DISCONNECT.value
+
+# Checked once, at import (proxy/observe/metrics/fast.py): a prometheus_client that no longer keeps
+# the attributes DIRECT counts into gets its own methods (slower, never wrong), not an
+# AttributeError per request.
 AT_ONCE = direct_works(Histogram, Counter, Gauge, values, Exemplar)
 # Without the values' locks only where they are in memory (one process): with --workers N each
 # value is a file's slot, written under its lock.
