@@ -87,6 +87,13 @@ class BreakerMachine(RuleBasedStateMachine):
             assert self.b.retry_in(self.now) <= COOLDOWN + 1e-6
 
     @invariant()
+    def the_window_totals_are_its_buckets_sums(self) -> None:
+        """The breaker keeps the window's totals as they change (read on every record): whatever
+        the sequence, they are what its buckets add up to."""
+        buckets = self.b._buckets
+        assert (self.b._calls, self.b._failures) == (sum(b[1] for b in buckets), sum(b[2] for b in buckets))
+
+    @invariant()
     def counts_are_sane(self) -> None:
         calls, failures = self.b.counts(self.now)
         assert 0 <= failures <= calls

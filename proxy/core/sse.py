@@ -132,7 +132,7 @@ class SSEScanner:
             and not self._tail
             # Its only LFs the two that end it (one `data:` line, as the engines write a chunk):
             # found by memchr, at half the cost of searching for the blank line. A one-byte chunk
-            # without one finds -1 == 1 - 2: `> 2` and the last byte rule it out.
+            # without one finds -1 == 1 - 2: `len - 2 > 0` and the last byte rule it out.
             and chunk.find(b"\n") == len(chunk) - 2 > 0
             and chunk[-1] == 10
             and chunk.find(b"\r") < 0

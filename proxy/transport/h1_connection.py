@@ -106,8 +106,8 @@ class H1Connection(asyncio.Protocol):
             if self.resp is resp:
                 pipe = resp._pipe
                 if pipe is not None and len(bodies) == 1:
-                    # A piped stream's usual read, one body piece: straight to the relay (take's
-                    # first case, without its frame: this runs once a token).
+                    # A piped stream's usual read, one body piece: straight to the relay, as
+                    # H1Response.take's piped case does, without its frame (once a token).
                     data = bodies.pop()
                     try:
                         pipe(data)

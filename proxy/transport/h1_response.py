@@ -99,7 +99,9 @@ class H1Response:
     # -- fed by the connection's protocol callbacks ----------------------------------------------
     def take(self, bodies: list[bytes]) -> None:
         """One read's body pieces (llhttp's chunks: an event each, often), emptied from `bodies`: to
-        the pipe in one call (one scan and one write per read), or into the buffer."""
+        the pipe in one call (one scan and one write per read), or into the buffer. A piped read
+        of one piece does not come here: H1Connection.data_received hands it to the pipe itself,
+        as this does (a frame less once a token): change the two together."""
         data = bodies[0] if len(bodies) == 1 else b"".join(bodies)
         bodies.clear()
         pipe = self._pipe
