@@ -66,6 +66,9 @@ _USAGE_NULL = re.compile(rb'"usage"\s*:\s*null\s*(?=[,}])')
 _BLANK = re.compile(rb"(?:\r\n|\n|\r(?!\n))(?:\r\n|\n|\r)")
 _DATA_PREFIX = re.compile(rb"^data: ?", re.MULTILINE)
 _LINE_END = re.compile(rb"\r\n|\r|\n")
+# A text's bytes up to its closing quote, where it has no escape and no line break (feed's shape).
+_TEXT_RUN = re.compile(rb'[^"\\\r\n]*')
+_KEY_TEXTS = frozenset({b"finish_reason", b"usage"})
 
 
 def event_data(event: bytes) -> bytes:
@@ -101,7 +104,22 @@ class SSEScanner:
     the tail back is what makes stripping a whole event possible.
     """
 
-    __slots__ = ("_tail", "_strip_usage_only", "_native_null", "facts", "_max_event", "_held", "_max_held")
+    __slots__ = (
+        "_tail",
+        "_strip_usage_only",
+        "_native_null",
+        "_usage_at",
+        "_plain_at",
+        "_shape_len",
+        "_shape_head",
+        "_shape_tail",
+        "_shape_out",
+        "_learns",
+        "facts",
+        "_max_event",
+        "_held",
+        "_max_held",
+    )
     END = "[DONE]"  # what a complete stream ends with, for the message when it does not
 
     def __init__(
@@ -120,11 +138,49 @@ class SSEScanner:
         self._strip_usage_only = strip_usage_only
         # Whether this upstream writes `"usage":null` unasked (decided at the first one seen).
         self._native_null: bool | None = None
+        # Where the last output event's first `"usage"` is (-1: it has none, so there is nothing to
+        # strip): _inspect's search, kept so that the strip does not search again.
+        self._usage_at = 0
+        # A stream's events mostly differ only in their text: what comes before it (id, model,
+        # `"delta":{"content":"`) and after it (finish_reason, usage) is the same bytes each time.
+        # The last plain output event's bytes before its text and from the text's closing quote on
+        # (and that part as forwarded, where the strip changed it: else None) let feed judge the
+        # next one by two comparisons and one pattern (see _learn). A shape that stops fitting is
+        # dropped and learnt again, a few times at most, so a stream whose events all differ
+        # (a per-chunk field after the text) costs a few failed comparisons, not one a token.
+        self._shape_len = 0
+        self._shape_head = b""
+        self._shape_tail = b""
+        self._shape_out: bytes | None = None
+        self._learns = 4
+        # Where the text of the event _inspect just judged starts, when it was a plain output
+        # event (compact, nothing to parse); else 0.
+        self._plain_at = 0
         self.facts = StreamFacts(capture_chars=capture_chars)
 
     def feed(self, chunk: bytes) -> tuple[bytes, int]:
         """The complete events now available (as sent, less what is stripped) and how many carry
         output. Raises UpstreamError when the stream breaks a limit (MAX_EVENT_BYTES, MAX_HELD_BYTES)."""
+        h = self._shape_len
+        if h and not self._tail:
+            # A read that is one event of the last plain one's shape, nothing held before it:
+            # _shaped's test written out (a frame is a sixth of this path's cost; change both).
+            several = False
+            if chunk[:h] == self._shape_head:
+                m = _TEXT_RUN.match(chunk, h)
+                assert m is not None  # (a `*` pattern always matches)
+                q = m.end()
+                if q > h:
+                    tail = self._shape_tail
+                    if chunk[q:] == tail:
+                        self.facts.events += 1
+                        rest = self._shape_out
+                        return (chunk if rest is None else chunk[:q] + rest), 1
+                    # Several events in one read (a fast stream), the first of the shape: the
+                    # shape is kept for _feed_many, which tries it on each.
+                    several = chunk.startswith(tail, q)
+            if not several:
+                self._shape_len = 0
         # A paced stream's every read after its first output: exactly one whole event, LF-framed,
         # nothing held before it. Judged here, two calls deep, not five (this runs once a token).
         if (
@@ -140,10 +196,61 @@ class SSEScanner:
             outputs, keep = self._inspect(chunk)
             if not keep:
                 return b"", outputs
-            if self._strip_usage_only:
-                return self._without_null_usage(chunk), outputs
-            return chunk, outputs
+            out = chunk
+            if self._strip_usage_only and not (outputs and self._usage_at < 0):
+                out = self._without_null_usage(chunk)
+            if self._plain_at and self._learns:
+                self._learn(chunk, out)
+            return out, outputs
         return self._feed_counted(chunk)
+
+    def _shaped(self, chunk: bytes, start: int, end: int) -> int:
+        """Where the text ends, when chunk[start:end] is one event of the shape kept (_learn): the
+        same bytes before its text and after it, and a text without a quote, a backslash, a CR or
+        an LF. It then holds the one event that the long way would find, judged as that one was.
+        Else 0, and the shape is dropped (to be learnt again from the next plain event)."""
+        h = self._shape_len
+        if chunk[start : start + h] == self._shape_head:
+            m = _TEXT_RUN.match(chunk, start + h)
+            assert m is not None  # (a `*` pattern always matches)
+            q = m.end()
+            if q > start + h and chunk[q:end] == self._shape_tail:
+                return q
+        self._shape_len = 0
+        return 0
+
+    def _learn(self, event: bytes, out: bytes) -> None:
+        """Keeps the shape of `event`, a plain output event (one whole LF-framed event, compact
+        non-empty text, nothing parsed), and `out`, what feed forwards of it, for the next read.
+
+        An event with the same bytes before the text and from its closing quote on, and a text with
+        no quote, backslash, CR or LF, is judged the same by _inspect and the strip: every `"` of it
+        is one of the kept parts', so the first of each key they search for (`"content":"`,
+        `"finish_reason"`, `"usage"`, `,"usage":null`) is where it is in this one, or is that
+        event's text itself (`"usage"` as a text), which the `,` or `}` after its closing quote
+        keeps from matching a pattern that needs a `:`. (So this one's text must not be such a
+        name: the search found the text here, and would find the key after it there.) Its only
+        LFs are the two that end it, as this one's. The state they also read only moves one way
+        (events counted, the answer seen, the text captured, the upstream's own nulls decided)."""
+        h = self._plain_at
+        self._plain_at = 0
+        m = _TEXT_RUN.match(event, h)
+        assert m is not None
+        q = m.end()
+        if event[q] != 0x22 or event[q + 1] not in b",}":  # a backslash, or not a string's end
+            return
+        if event[h:q] in _KEY_TEXTS:  # `"content":"finish_reason"` hid a finish reason after it
+            return
+        rest = None
+        if out is not event:
+            if out[:q] != event[:q]:  # the strip cut before the text: not kept
+                return
+            rest = out[q:]
+        self._learns -= 1
+        self._shape_len = h
+        self._shape_head = event[:h]
+        self._shape_tail = event[q:]
+        self._shape_out = rest
 
     def _feed_counted(self, chunk: bytes) -> tuple[bytes, int]:
         """feed's general case, counting what is held before the first output event."""
@@ -183,7 +290,7 @@ class SSEScanner:
             outputs, keep = self._inspect(chunk)
             if not keep:
                 return b"", outputs
-            if self._strip_usage_only:
+            if self._strip_usage_only and not (outputs and self._usage_at < 0):
                 chunk = self._without_null_usage(chunk)
             return chunk, outputs
         return self._feed_many(chunk)
@@ -223,15 +330,36 @@ class SSEScanner:
         edited: list[tuple[int, int, bytes]] = []  # (start, end, what replaces them)
         strip = self._strip_usage_only
         for end in _event_ends(chunk):
+            if self._shape_len:
+                q = self._shaped(chunk, start, end)
+                if q:
+                    self.facts.events += 1
+                    outputs += 1
+                    if self._shape_out is not None:
+                        edited.append((q, end, self._shape_out))
+                    start = end
+                    continue
             event = chunk[start:end]
             n, keep = self._inspect(event)
             outputs += n
             if not keep:
                 edited.append((start, end, b""))
-            elif strip:
+                start = end
+                continue
+            bare = event
+            if strip and not (n and self._usage_at < 0):
                 bare = self._without_null_usage(event)
                 if bare is not event:
                     edited.append((start, end, bare))
+            # A shape is learnt as feed learns one, from an event whose only LFs end it and in
+            # bytes without a CR (a `\r\n\r` end would wait for its LF at the end of a read).
+            if (
+                self._plain_at
+                and self._learns
+                and event.find(b"\n") == len(event) - 2
+                and chunk.find(b"\r") < 0
+            ):
+                self._learn(event, bare)
             start = end
         if not edited:
             return chunk, outputs
@@ -299,31 +427,35 @@ class SSEScanner:
         """(1 if the event carries output else 0, whether to forward it)."""
         facts = self.facts
         facts.events += 1
+        self._plain_at = 0
         # A compact non-empty `"content":"` (how OpenAI, vLLM and SGLang write a delta) is output
         # and an answer, without a pattern; anything else takes the patterns.
         i = event.find(b'"content":"')
-        compact = i >= 0 and event[i + 11 : i + 12] != b'"'
+        text = i + 11
+        # (The event ends with its blank line, so the byte after the pattern exists.)
+        compact = i >= 0 and event[text] != 0x22
         if compact or _carries_output(event):
             if not facts.answered:
                 facts.answered = compact or _carries_answer(event)
             # Per output event, so the checks are written out (each _has is a call more): the
             # first event, text to capture, a finish reason, usage. A `:null` (every chunk of
-            # OpenAI's and vLLM's has both, null) is told apart by a byte comparison, not a pattern.
+            # OpenAI's and vLLM's has both, null) is told apart by comparing a slice: in Python
+            # 3.11 a bytes method with arguments (find, startswith) costs about 1,200 instructions
+            # for its argument parsing alone, a slice and a comparison a fifth of that.
+            u = self._usage_at = event.find(b'"usage"')
             if (
                 facts.events == 1
                 or facts.text_chars < facts.capture_chars
                 or (
                     (i := event.find(b'"finish_reason"')) >= 0
-                    and not event.startswith(b":null", i + 15)
+                    and event[i + 15 : i + 20] != b":null"
                     and _FINISH.match(event, i) is not None
                 )
-                or (
-                    (i := event.find(b'"usage"')) >= 0
-                    and not event.startswith(b":null", i + 7)
-                    and _USAGE.match(event, i) is not None
-                )
+                or (u >= 0 and event[u + 7 : u + 12] != b":null" and _USAGE.match(event, u) is not None)
             ):
                 self._parse(event)
+            elif compact:
+                self._plain_at = text
             return 1, True
         if event.find(b"[DONE]") >= 0 and event_data(event).strip() == b"[DONE]":
             facts.done = True
