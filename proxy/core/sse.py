@@ -204,18 +204,20 @@ class SSEScanner:
             return out, outputs
         return self._feed_counted(chunk)
 
-    def _shaped(self, chunk: bytes, start: int, end: int) -> int:
-        """Where the text ends, when chunk[start:end] is one event of the shape kept (_learn): the
-        same bytes before its text and after it, and a text without a quote, a backslash, a CR or
-        an LF. It then holds the one event that the long way would find, judged as that one was.
+    def _shaped(self, chunk: bytes, start: int) -> int:
+        """Where the event at `start` ends, when it is one of the shape kept (_learn): the same
+        bytes before its text and after it, and a text without a quote, a backslash, a CR or an
+        LF. It is then the one event that the long way would find there, judged as that one was.
         Else 0, and the shape is dropped (to be learnt again from the next plain event)."""
         h = self._shape_len
         if chunk[start : start + h] == self._shape_head:
             m = _TEXT_RUN.match(chunk, start + h)
             assert m is not None  # (a `*` pattern always matches)
             q = m.end()
-            if q > start + h and chunk[q:end] == self._shape_tail:
-                return q
+            tail = self._shape_tail
+            end = q + len(tail)
+            if q > start + h and chunk[q:end] == tail:
+                return end
         self._shape_len = 0
         return 0
 
@@ -329,16 +331,27 @@ class SSEScanner:
         start = 0
         edited: list[tuple[int, int, bytes]] = []  # (start, end, what replaces them)
         strip = self._strip_usage_only
-        for end in _event_ends(chunk):
+        # `chunk` is whole events. Each event's end is found as it comes (not all first): an event
+        # of the shape kept ends where its kept part does, without a search.
+        cr = chunk.find(b"\r") >= 0
+        size = len(chunk)
+        while start < size:
             if self._shape_len:
-                q = self._shaped(chunk, start, end)
-                if q:
+                end = self._shaped(chunk, start)
+                if end:
                     self.facts.events += 1
                     outputs += 1
                     if self._shape_out is not None:
-                        edited.append((q, end, self._shape_out))
+                        edited.append((end - len(self._shape_tail), end, self._shape_out))
                     start = end
                     continue
+            if cr:
+                m = _BLANK.search(chunk, start)
+                end = size if m is None else m.end()
+            else:
+                end = chunk.find(b"\n\n", start) + 2
+                if end == 1:
+                    end = size
             event = chunk[start:end]
             n, keep = self._inspect(event)
             outputs += n
@@ -353,12 +366,7 @@ class SSEScanner:
                     edited.append((start, end, bare))
             # A shape is learnt as feed learns one, from an event whose only LFs end it and in
             # bytes without a CR (a `\r\n\r` end would wait for its LF at the end of a read).
-            if (
-                self._plain_at
-                and self._learns
-                and event.find(b"\n") == len(event) - 2
-                and chunk.find(b"\r") < 0
-            ):
+            if self._plain_at and self._learns and not cr and event.find(b"\n") == len(event) - 2:
                 self._learn(event, bare)
             start = end
         if not edited:
