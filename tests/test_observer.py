@@ -49,6 +49,36 @@ def test_what_a_terminal_hook_sets_every_ended_sees_in_either_order() -> None:
         assert reader.seen == [1.5], order
 
 
+class Retries(Observer):
+    name = "retries"
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+        self.seen: list[tuple[str, float]] = []
+
+    def retry(self, ex: Exchange, reason: str, backoff: float) -> None:
+        self.seen.append((reason, backoff))
+        if self.fail:
+            raise RuntimeError("observer bug")
+
+
+def test_an_observer_that_fails_is_logged_and_the_others_are_still_called(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    first, broken, last = Retries(False), Retries(True), Retries(False)
+    obs = ObserverSet([first, broken, last, Broken()])
+    ex = Exchange("r", "chat.completions", "POST", "/v1/chat/completions")
+    with caplog.at_level(logging.ERROR, logger="infertap.observer"):
+        obs.retry(ex, "connect_error", 2.0)
+        obs.ended(ex)
+    assert first.seen == broken.seen == last.seen == [("connect_error", 2.0)]
+    failures = [r.getMessage() for r in caplog.records]
+    assert failures == [
+        "observer retries failed in retry; the request goes on",
+        "observer broken failed in ended; the request goes on",
+    ]
+
+
 def test_ended_follows_each_terminal_hook_once() -> None:
     reader = Reader()
     obs = ObserverSet([reader])

@@ -125,18 +125,6 @@ def _failed(observer: Observer, hook: str) -> None:
     log.exception("observer %s failed in %s; the request goes on", observer.name, hook)
 
 
-def _safe(observer: Observer, hook: str) -> Callable[..., None]:
-    method: Callable[..., None] = getattr(observer, hook)
-
-    def call(*args: Any) -> None:
-        try:
-            method(*args)
-        except Exception:
-            _failed(observer, hook)
-
-    return call
-
-
 class ObserverSet:
     """Fans each hook out to the observers that implement it.
 
@@ -146,9 +134,12 @@ class ObserverSet:
 
     def __init__(self, observers: Iterable[Observer] = ()) -> None:
         self.observers = list(observers)
-        self._calls: dict[str, list[Callable[..., None]]] = {
+        # Each hook's observers and their bound methods, called in one loop with a `try` (free in
+        # 3.11 until it catches): a wrapper per observer cost a frame and an argument tuple each,
+        # about 950 instructions a call, ten calls a request.
+        self._calls: dict[str, list[tuple[Observer, Callable[..., None]]]] = {
             hook: [
-                _safe(o, hook)
+                (o, getattr(o, hook))
                 for o in self.observers
                 if getattr(type(o), hook) is not getattr(Observer, hook)
             ]
@@ -165,25 +156,36 @@ class ObserverSet:
                         instead,
                     )
 
+    def _each(self, hook: str, arg: object) -> None:
+        """Calls `hook` of each observer that has it with `arg`; one that fails is logged, and the
+        rest are still called. (The hooks of every request take one argument: no tuple of them.)"""
+        for o, method in self._calls[hook]:
+            try:
+                method(arg)
+            except Exception:
+                _failed(o, hook)
+
+    def _fan(self, hook: str, *args: Any) -> None:
+        for o, method in self._calls[hook]:
+            try:
+                method(*args)
+            except Exception:
+                _failed(o, hook)
+
     def request_received(self, ex: Exchange) -> None:
-        for call in self._calls["request_received"]:
-            call(ex)
+        self._each("request_received", ex)
 
     def attempt_started(self, ex: Exchange) -> None:
-        for call in self._calls["attempt_started"]:
-            call(ex)
+        self._each("attempt_started", ex)
 
     def retry(self, ex: Exchange, reason: str, backoff: float) -> None:
-        for call in self._calls["retry"]:
-            call(ex, reason, backoff)
+        self._fan("retry", ex, reason, backoff)
 
     def first_byte(self, ex: Exchange) -> None:
-        for call in self._calls["first_byte"]:
-            call(ex)
+        self._each("first_byte", ex)
 
     def first_token(self, ex: Exchange) -> None:
-        for call in self._calls["first_token"]:
-            call(ex)
+        self._each("first_token", ex)
 
     def output_gaps(self, ex: Exchange, now: float) -> None:
         """Hands the gaps `ex` holds to the observers (and empties them); the next go at `now` +
@@ -193,50 +195,40 @@ class ObserverSet:
         if gaps or zeros:
             ex.gaps = []
             ex.zero_gaps = 0
-            for call in self._calls["output_gaps"]:
-                call(ex, gaps, zeros)
+            self._fan("output_gaps", ex, gaps, zeros)
 
     def finished(self, ex: Exchange) -> None:
         self.output_gaps(ex, 0.0)
-        for call in self._calls["finished"]:
-            call(ex)
+        self._each("finished", ex)
         self.ended(ex)
 
     def failed(self, ex: Exchange) -> None:
         self.output_gaps(ex, 0.0)
-        for call in self._calls["failed"]:
-            call(ex)
+        self._each("failed", ex)
         self.ended(ex)
 
     def client_disconnected(self, ex: Exchange) -> None:
         self.output_gaps(ex, 0.0)
-        for call in self._calls["client_disconnected"]:
-            call(ex)
+        self._each("client_disconnected", ex)
         self.ended(ex)
 
     def ended(self, ex: Exchange) -> None:
-        for call in self._calls["ended"]:
-            call(ex)
+        self._each("ended", ex)
 
     def upstream_health(self, ex: Exchange, upstream: str, up: bool) -> None:
-        for call in self._calls["upstream_health"]:
-            call(ex, upstream, up)
+        self._fan("upstream_health", ex, upstream, up)
 
     def balanced(self, ex: Exchange, policy: str, reason: str) -> None:
-        for call in self._calls["balanced"]:
-            call(ex, policy, reason)
+        self._fan("balanced", ex, policy, reason)
 
     def replica_released(self, ex: Exchange, upstream: str, replica: str, outcome: str | None) -> None:
-        for call in self._calls["replica_released"]:
-            call(ex, upstream, replica, outcome)
+        self._fan("replica_released", ex, upstream, replica, outcome)
 
     def replica_health(self, upstream: str, replica: str, up: bool) -> None:
-        for call in self._calls["replica_health"]:
-            call(upstream, replica, up)
+        self._fan("replica_health", upstream, replica, up)
 
     def answered(self, answer: LocalAnswer) -> None:
-        for call in self._calls["answered"]:
-            call(answer)
+        self._each("answered", answer)
 
     def configuration_changed(self, settings: Settings, fresh_circuits: Collection[str]) -> None:
         for o in self.observers:
