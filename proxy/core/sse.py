@@ -68,6 +68,7 @@ _DATA_PREFIX = re.compile(rb"^data: ?", re.MULTILINE)
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 # A text's bytes up to its closing quote, where it has no escape and no line break (feed's shape).
 _TEXT_RUN = re.compile(rb'[^"\\\r\n]*')
+# Texts that name a key the event checks look for: not learnt as a shape's (see _learn).
 _KEY_TEXTS = frozenset({b"finish_reason", b"usage"})
 
 
