@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.core.asgi import Receive, Scope, Send
+from proxy.core.headers import forwarded_headers, request_policy
 from proxy.settings import Settings, UpstreamSettings
 from tests.conftest import CHAT, run_proxy, serve_in_thread
 
@@ -377,3 +378,41 @@ def test_a_fallback_gets_the_headers_its_own_policy_allows() -> None:
     seen = dict(rec.requests[-1][0])
     assert seen["openai-project"] == "p-1" and "x-forwarded-host" not in seen
     assert seen["content-type"] == "application/json"
+
+
+# -- the request side's function itself: what uvicorn leaves to it (Connection, X-Forwarded-For) --
+_latin1 = st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF, exclude_characters=","), max_size=20)
+_raw_names = st.one_of(
+    st.sampled_from(["connection", "x-forwarded-for", "traceparent", "tracestate", "x-stainless-os"]),
+    _request_names,
+)
+
+
+@settings(max_examples=EXAMPLES * 5, deadline=None)
+@given(
+    headers=st.lists(st.tuples(_raw_names, st.one_of(_latin1, _traceparent)), max_size=12),
+    hop=st.lists(st.sampled_from(["x-forwarded-for", "accept", "x-stainless-os", "Tracestate", " baggage "])),
+)
+def test_forwarded_headers_keep_the_allowed_set_in_order(
+    headers: list[tuple[str, str]], hop: list[str]
+) -> None:
+    """Joined duplicates in first-arrival order, what `Connection` names dropped (X-Forwarded-For
+    included: then only the client's address is sent), a malformed traceparent dropped with its
+    tracestate, non-ASCII bytes kept as latin-1, X-Forwarded-For last."""
+    if hop:
+        headers = [*headers, ("connection", ", ".join(hop))]
+    policy = request_policy(["openai-organization", "x-allowed-*"])
+    raw = [(k.encode(), v.encode("latin-1")) for k, v in headers]
+    got = forwarded_headers(raw, ("10.0.0.7", 5000), policy)
+    named = {t.strip().lower() for k, v in headers if k == "connection" for t in v.split(",")}
+    want: dict[str, str] = {}
+    for k, v in headers:
+        if _forwarded(k) and k not in named:
+            want[k] = v if k not in want else want[k] + ", " + v
+    if "traceparent" in want and not _valid_traceparent(want["traceparent"]):
+        del want["traceparent"]
+    if "traceparent" not in want:
+        want.pop("tracestate", None)
+    sent_for = [] if "x-forwarded-for" in named else [v for k, v in headers if k == "x-forwarded-for"]
+    want["x-forwarded-for"] = ", ".join([*sent_for, "10.0.0.7"])
+    assert list(got.items()) == list(want.items())

@@ -108,6 +108,9 @@ class HeaderPolicy:
     # Each name's answer, once it has been asked (bounded: a client's names are its own choosing):
     # SDK telemetry names (x-stainless-*) then cost one lookup, like the exact names.
     seen: dict[bytes, bool] = field(default_factory=dict, compare=False, repr=False)
+    # And, for a request's headers, each name as the str it goes upstream as ("" where it does not):
+    # one lookup a header, no call and no decoding of the name.
+    keys: dict[bytes, str] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, patterns: Iterable[str], never: frozenset[str]) -> HeaderPolicy:
@@ -129,6 +132,13 @@ class HeaderPolicy:
             if len(self.seen) < 2048:
                 self.seen[name] = ok
         return ok
+
+    def key(self, name: bytes) -> str:
+        """`name` decoded where the policy lets it pass, else "" (kept in `keys`, as `seen` is)."""
+        key = name.decode("latin-1") if self.allows(name) else ""
+        if len(self.keys) < 2048:
+            self.keys[name] = key
+        return key
 
 
 def request_policy(extra: Iterable[str] = ()) -> HeaderPolicy:
@@ -154,30 +164,35 @@ def forwarded_headers(
     never a hop-by-hop header nor one that `Connection` names), duplicates comma-joined in order
     (RFC 9110 5.3), a malformed traceparent dropped with its tracestate, and X-Forwarded-For with
     the client's address appended."""
-    kept: dict[bytes, bytes] = {}
+    keys = policy.keys
+    headers: dict[str, str] = {}
     hop: list[bytes] = []
     forwarded_for: list[bytes] = []
     for name, v in raw:
-        if name == b"x-forwarded-for":
+        key = keys.get(name)
+        if key is None:
+            key = policy.key(name)
+        if key:
+            prior = headers.get(key)
+            value = v.decode("latin-1")
+            headers[key] = value if prior is None else prior + ", " + value
+        # Never allowed by any policy (NEVER_FORWARDED), so asked only of what it refused:
+        elif name == b"x-forwarded-for":
             forwarded_for.append(v)
         elif name == b"connection":
             hop.extend(_connection_tokens(v))
-        elif policy.allows(name):
-            prior = kept.get(name)
-            kept[name] = v if prior is None else prior + b", " + v
     if hop:
         for name in hop:
-            kept.pop(name, None)
+            headers.pop(name.decode("latin-1"), None)
         if b"x-forwarded-for" in hop:
             forwarded_for.clear()
-    trace = kept.get(b"traceparent")
+    trace = headers.get("traceparent")
     # A duplicated traceparent arrives joined, and is malformed like any other invalid one.
-    if trace is not None and not valid_traceparent(trace):
-        del kept[b"traceparent"]
-        kept.pop(b"tracestate", None)
+    if trace is not None and not valid_traceparent(trace.encode("latin-1")):
+        del headers["traceparent"]
+        headers.pop("tracestate", None)
     elif trace is None:
-        kept.pop(b"tracestate", None)
-    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in kept.items()}
+        headers.pop("tracestate", None)
     if client:
         forwarded_for.append(str(client[0]).encode("latin-1"))
     if forwarded_for:
