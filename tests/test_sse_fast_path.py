@@ -166,8 +166,8 @@ class Judged(SSEScanner):
 
     __slots__ = ("judged",)
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, strip_usage_only: bool = False) -> None:
+        super().__init__(strip_usage_only=strip_usage_only)
         self.judged = 0
 
     def _inspect(self, event: bytes) -> tuple[int, bool]:
