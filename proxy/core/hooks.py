@@ -166,6 +166,7 @@ class ObserverSet:
                 _failed(o, hook)
 
     def _fan(self, hook: str, *args: Any) -> None:
+        """_each, for the hooks that take several arguments."""
         for o, method in self._calls[hook]:
             try:
                 method(*args)

@@ -296,7 +296,7 @@ class SSEScanner:
             if self._strip_usage_only and not (outputs and self._usage_at < 0):
                 chunk = self._without_null_usage(chunk)
             return chunk, outputs
-        return self._feed_many(chunk)
+        return self._feed_many(chunk, 0 <= cr < end)
 
     def _join(self, chunk: bytes) -> bytes:
         """Appends to a held partial event; returns the complete events, if any, now available.
@@ -327,14 +327,14 @@ class SSEScanner:
                 f"sent more than {self._max_event} bytes without the blank line that ends an event",
             )
 
-    def _feed_many(self, chunk: bytes) -> tuple[bytes, int]:
+    def _feed_many(self, chunk: bytes, cr: bool) -> tuple[bytes, int]:
+        """Each whole event of `chunk` judged; `cr`: whether `chunk` holds a CR (_feed looked)."""
         outputs = 0
         start = 0
         edited: list[tuple[int, int, bytes]] = []  # (start, end, what replaces them)
         strip = self._strip_usage_only
         # `chunk` is whole events. Each event's end is found as it comes (not all first): an event
         # of the shape kept ends where its kept part does, without a search.
-        cr = chunk.find(b"\r") >= 0
         size = len(chunk)
         while start < size:
             if self._shape_len:

@@ -22,7 +22,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
 CASES = ("paced", "paced-strip", "ten")
 N = 20_000
 
