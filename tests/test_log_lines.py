@@ -3,6 +3,7 @@ written, and only where nothing else could see the difference."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import logging
@@ -104,3 +105,70 @@ def _logging_path(handler: LineHandler, stream: io.StringIO) -> None:
     assert writer._handler(logging.INFO) is None
     writer.write(logging.INFO, "formatted by the new formatter")
     assert stream.getvalue() == "formatted by the new formatter\n"
+
+
+class _Writes(io.StringIO):
+    """A stream that counts its writes: one per loop turn is the point of keeping lines."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, s: str) -> int:
+        self.writes += 1
+        return super().write(s)
+
+
+def test_lines_of_one_loop_turn_go_in_one_write_in_order() -> None:
+    with alone() as (handler, _):
+        stream = _Writes()
+        handler.setStream(stream)
+        writer = LineWriter(logging.getLogger("infertap.test_log_lines"))
+
+        async def turn() -> tuple[str, int]:
+            for i in range(5):
+                writer.write(logging.INFO, f"line {i}")
+            kept = stream.getvalue()
+            await asyncio.sleep(0)  # the loop's next turn
+            await asyncio.sleep(0)
+            return kept, stream.writes
+
+        kept, writes = asyncio.run(turn())
+    assert kept == ""
+    assert writes == 1
+    assert [line.split(": ", 1)[1] for line in stream.getvalue().splitlines()] == [
+        f"line {i}" for i in range(5)
+    ]
+
+
+def test_a_record_through_logging_and_a_flush_write_the_kept_lines_first() -> None:
+    with alone() as (handler, stream):
+        logger = logging.getLogger("infertap.test_log_lines")
+        writer = LineWriter(logger)
+
+        async def interleaved() -> None:
+            writer.write(logging.INFO, "first, kept")
+            logger.warning("second, through logging")
+            writer.write(logging.INFO, "third, kept")
+            handler.flush()  # logging.shutdown's, at exit: nothing kept is lost
+            assert stream.getvalue().count("\n") == 3
+
+        asyncio.run(interleaved())
+    assert [line.split(": ", 1)[1] for line in stream.getvalue().splitlines()] == [
+        "first, kept",
+        "second, through logging",
+        "third, kept",
+    ]
+
+
+def test_a_failing_stream_is_reported_and_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Broken(io.StringIO):
+        def write(self, s: str) -> int:
+            raise OSError("disk full")
+
+    reported: list[str] = []
+    with alone() as (handler, _):
+        handler.setStream(Broken())
+        monkeypatch.setattr(handler, "handleError", lambda record: reported.append(record.getMessage()))
+        LineWriter(logging.getLogger("infertap.test_log_lines")).write(logging.INFO, "lost")
+    assert len(reported) == 1 and "lost" in reported[0]

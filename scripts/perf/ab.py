@@ -8,7 +8,9 @@ Each tree runs as `python -m proxy serve` with that tree first on sys.path, in f
 upstream, pinned to core 1 (the upstream and the load generator on core 0), as `infertap bench`
 runs it. Every round runs every tree once, the order rotating; a tree's number is the median over
 the rounds of its CPU (utime + stime) per request, with the range. AB_ENV="K=V ..." adds
-environment variables to every tree (e.g. INFERTAP_METRICS__ACCESS_LOG=false).
+environment variables to every tree, `LABEL=TREE,K=V,...` to one (e.g.
+`off=.,INFERTAP_METRICS__ACCESS_LOG=false`). Each tree's stderr goes to a temporary file, as in
+`infertap bench` (its access log costs what it costs there).
 
 LOAD: paced1 (one 100-token stream at a time, TTFT 50 ms, tokens 10 ms apart), paced64 (64 such
 at once), zero (zero-delay 100-token streams, 64 at once), zero1 (one at a time), nonstream
@@ -22,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,12 +55,15 @@ def main() -> None:
         env[name] = value
     procs: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
     try:
-        for label, tree in trees:
+        for label, spec in trees:
+            tree, *settings = spec.split(",")
+            extra = dict(kv.split("=", 1) for kv in settings)
             port = P.free_port()
             cmd = [sys.executable, "-m", "proxy", "serve", "--host", "127.0.0.1", "--port", str(port)]
             cmd += ["--upstream", f"bench={up.url}/v1", "--forward-header", "x-bench-*"]
             tree = str(Path(tree).resolve())
-            p = subprocess.Popen(cmd, env=dict(env, PYTHONPATH=tree), cwd=tree, stderr=subprocess.DEVNULL)
+            log = tempfile.TemporaryFile()  # noqa: SIM115 (open until the process ends)
+            p = subprocess.Popen(cmd, env=dict(env, **extra, PYTHONPATH=tree), cwd=tree, stderr=log)
             P.pin_child(p.pid, 1)
             procs[label] = (p, port)
         for _label, (p, port) in procs.items():
