@@ -172,3 +172,25 @@ def test_a_failing_stream_is_reported_and_never_raises(monkeypatch: pytest.Monke
         monkeypatch.setattr(handler, "handleError", lambda record: reported.append(record.getMessage()))
         LineWriter(logging.getLogger("infertap.test_log_lines")).write(logging.INFO, "lost")
     assert len(reported) == 1 and "lost" in reported[0]
+
+
+def test_lines_outside_the_loop_that_ran_before_are_written_at_once() -> None:
+    """The handler remembers the loop it last kept lines for: once that loop has ended, or from
+    another thread, a line cannot wait for its next turn."""
+    with alone() as (handler, stream):
+        writer = LineWriter(logging.getLogger("infertap.test_log_lines"))
+
+        async def kept() -> None:
+            writer.write(logging.INFO, "in the loop")
+
+        asyncio.run(kept())
+        writer.write(logging.INFO, "after it")
+        assert stream.getvalue().count("\n") == 2
+        lines: list[str] = []
+
+        async def from_a_thread() -> None:
+            await asyncio.to_thread(writer.write, logging.INFO, "from a thread")
+            lines.extend(stream.getvalue().splitlines())
+
+        asyncio.run(from_a_thread())
+    assert [line.split(": ", 1)[1] for line in lines] == ["in the loop", "after it", "from a thread"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -37,6 +38,10 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         self.line_formatter = logging.Formatter(LOG_FORMAT)
         self.setFormatter(self.line_formatter)
         self.kept: list[str] = []  # LineWriter's lines, until the loop's next turn
+        # The loop that takes them and its thread, as last found: asyncio's lookup of the running
+        # loop costs a getpid(2) each time (Python 3.11), a system call a line when lines come alone.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = 0
 
     def add(self, line: str) -> None:
         """Writes `line` (formatted, with its newline) at the loop's next turn with the others kept
@@ -46,11 +51,14 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
             kept.append(line)
             if len(kept) > 1:
                 return
-        loop = asyncio._get_running_loop()
-        if loop is None:
-            self.write_kept()
-        else:
-            loop.call_soon(self.write_kept)
+        loop = self._loop
+        if loop is None or self._thread != threading.get_ident() or not loop.is_running():
+            loop = self._loop = asyncio._get_running_loop()
+            if loop is None:
+                self.write_kept()
+                return
+            self._thread = threading.get_ident()
+        loop.call_soon(self.write_kept)
 
     def write_kept(self) -> None:
         with self.lock:  # type: ignore[union-attr]
