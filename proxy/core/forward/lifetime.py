@@ -10,7 +10,7 @@ import logging
 import time
 from typing import Any, Protocol
 
-from proxy.core.asgi import Receive, Send, Watcher, deadline, send_error, watch_disconnect
+from proxy.core.asgi import Receive, Send, Watcher, current_task, deadline, send_error, watch_disconnect
 from proxy.core.errors import ERRORS, ErrorKind, Phase, describe, failure_message
 from proxy.core.exchange import Exchange, Outcome
 from proxy.core.forward.attempts import Call
@@ -41,8 +41,7 @@ async def guarded(runner: Runner, receive: Receive, send: Send, call: Call) -> N
     The cancellation reaches whatever is awaited (connect, the wait for headers, a read),
     and an upstream response left unread is closed, which closes its connection.
     """
-    task = asyncio.current_task()
-    assert task is not None
+    task = current_task()
     gone = False
 
     def left() -> None:
