@@ -119,23 +119,26 @@ class _Writes(io.StringIO):
         return super().write(s)
 
 
-def test_lines_of_one_loop_turn_go_in_one_write_in_order() -> None:
+@pytest.mark.parametrize("alone_s", [3600.0, 0.0], ids=["lines come fast", "lines come alone"])
+def test_fast_lines_go_in_one_write_a_loop_turn_in_order(alone_s: float) -> None:
+    """The first line goes at once; those that follow it closer than `alone_s` wait for the loop's
+    next turn and go in one write. Lines that come alone go at once, each."""
     with alone() as (handler, _):
         stream = _Writes()
         handler.setStream(stream)
+        handler.alone_s = alone_s
         writer = LineWriter(logging.getLogger("infertap.test_log_lines"))
 
-        async def turn() -> tuple[str, int]:
+        async def turn() -> tuple[int, int]:
             for i in range(5):
                 writer.write(logging.INFO, f"line {i}")
-            kept = stream.getvalue()
+            written = stream.writes
             await asyncio.sleep(0)  # the loop's next turn
             await asyncio.sleep(0)
-            return kept, stream.writes
+            return written, stream.writes
 
-        kept, writes = asyncio.run(turn())
-    assert kept == ""
-    assert writes == 1
+        at_once, in_all = asyncio.run(turn())
+    assert (at_once, in_all) == ((1, 2) if alone_s else (5, 5))
     assert [line.split(": ", 1)[1] for line in stream.getvalue().splitlines()] == [
         f"line {i}" for i in range(5)
     ]
@@ -143,18 +146,21 @@ def test_lines_of_one_loop_turn_go_in_one_write_in_order() -> None:
 
 def test_a_record_through_logging_and_a_flush_write_the_kept_lines_first() -> None:
     with alone() as (handler, stream):
+        handler.alone_s = 3600.0  # kept, but the first
         logger = logging.getLogger("infertap.test_log_lines")
         writer = LineWriter(logger)
 
         async def interleaved() -> None:
+            writer.write(logging.INFO, "zeroth, at once")
             writer.write(logging.INFO, "first, kept")
             logger.warning("second, through logging")
             writer.write(logging.INFO, "third, kept")
             handler.flush()  # logging.shutdown's, at exit: nothing kept is lost
-            assert stream.getvalue().count("\n") == 3
+            assert stream.getvalue().count("\n") == 4
 
         asyncio.run(interleaved())
     assert [line.split(": ", 1)[1] for line in stream.getvalue().splitlines()] == [
+        "zeroth, at once",
         "first, kept",
         "second, through logging",
         "third, kept",
@@ -178,14 +184,16 @@ def test_lines_outside_the_loop_that_ran_before_are_written_at_once() -> None:
     """The handler remembers the loop it last kept lines for: once that loop has ended, or from
     another thread, a line cannot wait for its next turn."""
     with alone() as (handler, stream):
+        handler.alone_s = 3600.0
         writer = LineWriter(logging.getLogger("infertap.test_log_lines"))
 
         async def kept() -> None:
+            writer.write(logging.INFO, "the first, at once")
             writer.write(logging.INFO, "in the loop")
 
         asyncio.run(kept())
         writer.write(logging.INFO, "after it")
-        assert stream.getvalue().count("\n") == 2
+        assert stream.getvalue().count("\n") == 3
         lines: list[str] = []
 
         async def from_a_thread() -> None:
@@ -193,4 +201,9 @@ def test_lines_outside_the_loop_that_ran_before_are_written_at_once() -> None:
             lines.extend(stream.getvalue().splitlines())
 
         asyncio.run(from_a_thread())
-    assert [line.split(": ", 1)[1] for line in lines] == ["in the loop", "after it", "from a thread"]
+    assert [line.split(": ", 1)[1] for line in lines] == [
+        "the first, at once",
+        "in the loop",
+        "after it",
+        "from a thread",
+    ]

@@ -10,11 +10,14 @@ own formatter, and no logger on the way has a handler or filter of its own. Anyt
 caplog, a handler an embedding application added, a filter, `logging.disable`) takes the ordinary
 path, so what is logged and where never changes.
 
-Those direct lines are written a loop turn's worth at a time: `LineHandler.add` keeps them, and one
-`write` and one `flush` (one write(2)) at the event loop's next turn take them all, where a line a
-request cost a system call each (about a tenth of a small request's CPU at 64 at once). Nothing is
-reordered: any record that reaches the handler through logging, and any flush (logging's shutdown
-at exit included), writes the kept lines first.
+Where lines come fast, those direct lines are written a loop turn's worth at a time: `LineHandler.add`
+keeps them, and one `write` and one `flush` (one write(2)) at the event loop's next turn take them
+all, where a line a request cost a system call each (about a tenth of a small request's CPU at 64
+at once). A line that comes alone (none in the last millisecond) is written at once, as before:
+kept, its write would wait for the loop's next turn, which is the next request's way in (measured
+by scripts/perf/ttft_path.py: ~25 us more on a stream's way to its upstream, one at a time).
+Nothing is reordered: any record that reaches the handler through logging, and any flush
+(logging's shutdown at exit included), writes the kept lines first.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ import threading
 import time
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+# A line that comes this long after the one before is written at once.
+ALONE_S = 0.001
 
 # asctime's milliseconds, made once: formatting `:03d` for every line cost a tenth of writing it.
 _MILLIS = tuple(f",{ms:03d}" for ms in range(1000))
@@ -42,12 +48,21 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         # loop costs a getpid(2) each time (Python 3.11), a system call a line when lines come alone.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = 0
+        self.alone_s = ALONE_S
+        self._last = float("-inf")  # time.monotonic() of the last line
 
     def add(self, line: str) -> None:
-        """Writes `line` (formatted, with its newline) at the loop's next turn with the others kept
-        by then; at once outside a running loop."""
+        """Writes `line` (formatted, with its newline): at once when it comes alone or outside a
+        running loop, else at the loop's next turn with the others kept by then."""
         with self.lock:  # type: ignore[union-attr]  # (created by Handler.__init__)
             kept = self.kept
+            if not kept:
+                now = time.monotonic()
+                alone = now - self._last >= self.alone_s
+                self._last = now
+                if alone:
+                    self._write(line, 1)
+                    return
             kept.append(line)
             if len(kept) > 1:
                 return
@@ -66,13 +81,16 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
             if not kept:
                 return
             self.kept = []
-            try:
-                stream = self.stream
-                stream.write(kept[0] if len(kept) == 1 else "".join(kept))
-                stream.flush()
-            except Exception:  # as StreamHandler.emit: a failing stream never fails a request
-                record = logging.makeLogRecord({"msg": f"{len(kept)} log line(s) lost: {kept[0]!r}"})
-                self.handleError(record)
+            self._write(kept[0] if len(kept) == 1 else "".join(kept), len(kept))
+
+    def _write(self, text: str, lines: int) -> None:
+        try:
+            stream = self.stream
+            stream.write(text)
+            stream.flush()
+        except Exception:  # as StreamHandler.emit: a failing stream never fails a request
+            record = logging.makeLogRecord({"msg": f"{lines} log line(s) lost: {text[:200]!r}"})
+            self.handleError(record)
 
     def emit(self, record: logging.LogRecord) -> None:
         if self.kept:
