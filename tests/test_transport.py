@@ -295,6 +295,59 @@ def test_a_kept_connection_that_broke_mid_answer_is_a_real_failure() -> None:
     run(H1Client, test)
 
 
+def _stalled_after(answers: int, connections: list[int]) -> Handler:
+    """Answers the first `answers` requests on a connection whole; then sends the next one's head
+    and half its body, and nothing more."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        try:
+            for _ in range(answers):
+                await read_request(reader)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nok")
+            await writer.drain()
+            await reader.read()  # until the client gives up and closes
+        finally:
+            writer.close()
+
+    return handle
+
+
+@pytest.mark.parametrize(
+    "before", [3600.0, 0.01, None], ids=["after a longer idle", "after a shorter", "fresh"]
+)
+def test_the_idle_timeout_holds_on_a_kept_connection_whatever_the_answer_before_had(
+    before: float | None,
+) -> None:
+    """A kept connection's idle timer goes on from one answer to the next (h1_connection.start):
+    the answer after one with a far longer idle timeout (another upstream's, on the same origin)
+    still times out on its own."""
+    connections: list[int] = []
+
+    async def test(client: UpstreamClient) -> None:
+        async with server(_stalled_after(0 if before is None else 1, connections)) as port:
+            url = f"http://127.0.0.1:{port}/v1/x"
+            if before is not None:
+                first = Timeouts(connect=5, pool=5, idle=before)
+                resp = await client.send("POST", url, {}, b"{}", first, Pool("u"))
+                assert b"".join([c async for c in resp.chunks()]) == b"ok"
+                resp.release()
+            resp = await client.send(
+                "POST", url, {}, b"{}", Timeouts(connect=5, pool=5, idle=0.05), Pool("u")
+            )
+            with pytest.raises(UpstreamError) as e:
+                async with asyncio.timeout(60):  # the test's own guard: a missed timeout hangs
+                    async for _ in resp.chunks():
+                        pass
+            resp.close()
+            assert e.value.kind is ErrorKind.IDLE_TIMEOUT
+        assert len(connections) == 1, "the second answer came on the kept connection"
+
+    run(H1Client, test)
+
+
 # -- backpressure -----------------------------------------------------------------------------------
 def test_a_consumer_that_stops_reading_pauses_the_upstream() -> None:
     total = 32 * 1024 * 1024

@@ -65,8 +65,16 @@ class H1Connection(asyncio.Protocol):
         self.head_only = head_only
         self.keep_alive = False
         self.idle = idle
-        self.last_read = self.loop.time()
-        self.timer = self.loop.call_at(self.last_read + idle, self._check_idle)
+        self.last_read = now = self.loop.time()
+        # The timer of the answer before goes on (it fires at that answer's last read + its idle,
+        # and _check_idle moves it on while reads come): a timer made and cancelled for every
+        # answer cost ~10k instructions of each. Only one due later than this answer's deadline
+        # (another upstream's longer idle) is made anew.
+        timer = self.timer
+        if timer is None or timer.when() > now + idle:
+            if timer is not None:
+                timer.cancel()
+            self.timer = self.loop.call_at(now + idle, self._check_idle)
         return resp
 
     async def write(self, data: bytes) -> float:
@@ -152,7 +160,8 @@ class H1Connection(asyncio.Protocol):
         assert resp is not None
         self.resp = None
         self.keep_alive = keep_alive
-        self._stop_timer()
+        # The idle timer stays for the next answer (start); _check_idle, should it fire first,
+        # finds no answer and lets it go.
         if self.bodies:  # what this read held of the body goes before its end
             resp.take(self.bodies)
         resp.finish()
