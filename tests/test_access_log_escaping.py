@@ -13,7 +13,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from proxy.core.exchange import Exchange, Outcome
-from proxy.observe.access_log import AccessLog
+from proxy.core.route_table import route_of
+from proxy.observe.access_log import _FIELDS, AccessLog, _capped, _ts, access_record
 from tests.conftest import CHAT, make_settings, run_proxy, wait_until
 
 NASTY = 'm\r\nfake=line \x1b[31mred\x1b[0m \u2028\x85\u202e\u200b\U000e0041 "q" \\ ='
@@ -83,3 +84,53 @@ def test_a_huge_model_name_makes_no_huge_log_line() -> None:
     for fmt in ("json", "logfmt"):
         line = _line(fmt, "m" * 2_000_000, "x")
         assert len(line) < 2_000 and "(2000000 characters)" in line, (fmt, len(line))
+
+
+_TIME = st.none() | st.floats(min_value=0, max_value=1e4, allow_nan=False)
+_COUNT = st.none() | st.integers(min_value=0, max_value=10**6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    route=st.sampled_from(["chat.completions", "completions", "embeddings", "responses", "other"]),
+    times=st.tuples(_TIME, _TIME, _TIME, _TIME, _TIME),
+    prompt=_COUNT,
+    completion=_COUNT,
+    events=st.integers(min_value=0, max_value=1000),
+    cost=st.none() | st.floats(min_value=0, max_value=1e6, allow_nan=False),
+    model=st.none() | st.text(max_size=300),
+    ns=st.integers(min_value=0, max_value=4 * 10**18),
+)
+def test_each_field_is_the_exchanges_own(
+    route: str,
+    times: tuple[float | None, ...],
+    prompt: int | None,
+    completion: int | None,
+    events: int,
+    cost: float | None,
+    model: str | None,
+    ns: int,
+) -> None:
+    """access_record writes the Exchange's properties out for speed: each field is still what the
+    property (and the metrics that read it) says, rounded to the microsecond."""
+    ex = Exchange("r1", route, "POST", "/v1/x", model=model, started_unix_ns=ns)
+    ex.received_at = 0.0
+    ex.first_token_at, ex.first_answer_at, ex.first_byte_at, ex.finished_at, ex.last_token_at = times
+    ex.prompt_tokens, ex.completion_tokens, ex.output_events, ex.cost = prompt, completion, events, cost
+    record = access_record(ex)
+
+    def r(v: float | None) -> float | None:
+        return None if v is None else round(v * 1e6) / 1e6
+
+    assert record["ts"] == _ts(ns)
+    assert record["model"] == _capped(model)
+    assert (record["ttft_s"], record["ttft_answer_s"], record["ttfb_s"]) == (
+        r(ex.ttft),
+        r(ex.ttft_answer),
+        r(ex.ttfb),
+    )
+    assert (record["tpot_s"], record["duration_s"]) == (r(ex.tpot), r(ex.duration))
+    assert record["completion_tokens"] == (ex.output_tokens if route_of(route).generation else None)
+    assert record["tokens_source"] == ex.token_source.value
+    assert record["cost"] == (None if cost is None else round(cost, 9))
+    assert list(record) == list(_FIELDS)
