@@ -338,6 +338,27 @@ class SSEScanner:
         size = len(chunk)
         while start < size:
             if self._shape_len:
+                if self._shape_out is None:
+                    # A run of events of the shape kept, nothing to cut from them (a fast stream's
+                    # reads are mostly this): _shaped's test in a loop of its own, without a call
+                    # or an attribute lookup per event. The first that does not fit goes on below.
+                    head = self._shape_head
+                    h = len(head)
+                    tail = self._shape_tail
+                    t = len(tail)
+                    match = _TEXT_RUN.match
+                    run = 0
+                    while chunk[start : start + h] == head:
+                        q = match(chunk, start + h).end()  # type: ignore[union-attr]  # `*`: always
+                        if q == start + h or chunk[q : q + t] != tail:
+                            break
+                        start = q + t
+                        run += 1
+                    if run:
+                        self.facts.events += run
+                        outputs += run
+                        if start >= size:
+                            break
                 end = self._shaped(chunk, start)
                 if end:
                     self.facts.events += 1
