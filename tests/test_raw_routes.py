@@ -14,6 +14,8 @@ import httptools
 import httpx
 import pytest
 import uvicorn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from uvicorn.protocols.http import httptools_impl
 
 from proxy.app import create_app
@@ -282,3 +284,57 @@ def test_a_client_that_never_reads_pauses_the_upstream_and_is_cut_off(fake: tupl
         wait_until(upstream.disconnected.is_set, 10, "the upstream request to be cancelled")
     streamed = len(upstream.sent["never-reads"])
     assert 0 < streamed < events * size // 4, streamed
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+
+class _Protocol:
+    """What RawCycle.start reads of uvicorn's protocol (its head is built and checked, not sent)."""
+
+    access_log = False
+
+    def __init__(self) -> None:
+        self.transport = _Transport()
+        self.flow = None
+        self.on_response_complete = lambda: None
+        self.server_state = type("State", (), {"default_headers": [(b"server", b"uvicorn")]})()
+        self.loop = type("Loop", (), {"call_soon": staticmethod(lambda f: None)})()
+
+
+_HEADER_BYTES = st.binary(max_size=6) | st.sampled_from(
+    [b"x-ok", b"a b", b"x\t", b"x\x7f", b"v\n", b"v\r", b"\x00"]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_HEADER_BYTES, _HEADER_BYTES), max_size=5))
+def test_the_answers_head_is_refused_exactly_where_uvicorn_refuses_a_header(
+    headers: list[tuple[bytes, bytes]],
+) -> None:
+    """RawCycle.start checks all the names in one search and all the values in another: it refuses
+    a head exactly when uvicorn's check, header by header, refuses one of them."""
+    from proxy.server.raw_cycle import RawCycle
+
+    bad = any(
+        httptools_impl.HEADER_RE.search(name) or httptools_impl.HEADER_VALUE_RE.search(value)
+        for name, value in headers
+        if not name.lower() == b"content-length"  # (its value must also be a number: not drawn)
+    )
+    headers = [(n, v) for n, v in headers if n.lower() != b"content-length"]
+    scope = {"method": "POST", "http_version": "1.1", "path": "/v1/x", "query_string": b""}
+    cycle = RawCycle(_Protocol(), scope, True, False)  # type: ignore[arg-type]
+    try:
+        cycle.start(200, headers)
+    except RuntimeError as e:
+        assert bad, e
+    else:
+        assert not bad

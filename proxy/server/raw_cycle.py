@@ -196,7 +196,7 @@ class RawCycle:
         return not self.flow.write_paused
 
     def start(self, status: int, headers: RawHeaders) -> None:
-        """The answer's head, written at once (uvicorn's rules, header for header)."""
+        """The answer's head, written at once (uvicorn's rules for its headers)."""
         self.response_started = True
         self.waiting_for_100_continue = False
         protocol = self.protocol
@@ -212,11 +212,11 @@ class RawCycle:
             )
         content = [STATUS_LINE[status]]
         close_sent = False
+        names: list[bytes] = []
+        values: list[bytes] = []
         for name, value in chain(protocol.server_state.default_headers, headers):
-            if HEADER_RE.search(name):
-                raise RuntimeError("Invalid HTTP header name.")
-            if HEADER_VALUE_RE.search(value):
-                raise RuntimeError("Invalid HTTP header value.")
+            names.append(name)
+            values.append(value)
             name = name.lower()
             if name == b"content-length" and self.chunked is None:
                 self.remaining = int(value.decode())
@@ -235,6 +235,12 @@ class RawCycle:
             self.chunked = True
             content.append(b"transfer-encoding: chunked\r\n")
         content.append(b"\r\n")
+        # uvicorn's checks, a search over all the names and one over all the values (tab-separated:
+        # a value may hold a tab, and no name may): two calls, not two a header.
+        if HEADER_RE.search(b"".join(names)):
+            raise RuntimeError("Invalid HTTP header name.")
+        if HEADER_VALUE_RE.search(b"\t".join(values)):
+            raise RuntimeError("Invalid HTTP header value.")
         # One write (one send(2)) for the head and the body that follows in the same step (a whole
         # answer, a stream's first events); a head alone (a stream opened early) goes at the next turn.
         self._head = b"".join(content)
