@@ -19,6 +19,7 @@ import uvicorn
 from proxy.app import create_app
 from proxy.core.exchange import Exchange
 from proxy.core.hooks import HOOKS, Observer
+from proxy.server.ticks import Server
 from proxy.settings import Settings, UpstreamSettings
 from proxy.tools.fake_upstream import FakeUpstream
 
@@ -42,7 +43,7 @@ def serve_in_thread(app: Any) -> Iterator[str]:
         proxy_headers=False,  # as `infertap serve` runs it: the client address is the peer's
         timeout_graceful_shutdown=2,
     )
-    server = uvicorn.Server(config)
+    server = Server(config)  # infertap's (proxy/server/ticks.py), as `infertap serve` runs it
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_until(lambda: server.started or not thread.is_alive(), what="server start")

@@ -13,6 +13,7 @@ import uvicorn
 
 from proxy.control import reload_sharing as peers
 from proxy.server.options import reloader
+from proxy.server.ticks import Server
 from proxy.server.workers import ARGV_ENV, SETTINGS_ENV, Supervisor, admin_socket, multiprocess_metrics
 from proxy.settings import ConfigError, Settings
 
@@ -55,7 +56,7 @@ def run(settings: Settings, argv: list[str] | None = None) -> None:
         sockets = [sock]
         if s.admin_port:
             sockets.append(admin_socket(s.admin_host, s.admin_port))
-        uvicorn.Server(config).run(sockets=sockets)
+        Server(config).run(sockets=sockets)
         return
     os.environ[SETTINGS_ENV] = settings.model_dump_json()
     if argv is not None:

@@ -17,11 +17,12 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import uvicorn
-from uvicorn.supervisors import Multiprocess
+from uvicorn.supervisors import Multiprocess, multiprocess
 
 from proxy.control import reload_sharing as peers
 from proxy.server.logs import configure_logging
 from proxy.server.options import reloader
+from proxy.server.ticks import Server
 from proxy.settings import ConfigError, Settings
 
 if TYPE_CHECKING:
@@ -122,6 +123,17 @@ def _empty_own(path: str) -> None:
                 pass
 
 
+class WorkerProcess(multiprocess.Process):
+    """uvicorn's worker process, serving with infertap's Server (proxy/server/ticks.py: a main loop
+    that wakes once a second, not ten times)."""
+
+    @property
+    def server(self) -> Server:
+        if self._server is None:
+            self._server = Server(config=self.config)
+        return self._server  # type: ignore[return-value]
+
+
 class Supervisor(Multiprocess):
     """uvicorn's worker supervisor, but SIGTERM reaches the workers at once: its own loop passes
     signals on only every 0.5 s, and each worker's /readyz must fail the moment the pod is told to
@@ -141,6 +153,9 @@ class Supervisor(Multiprocess):
         shared: str | None = None,
     ) -> None:
         super().__init__(config, sockets)
+        # uvicorn's supervisor makes its workers (at start, on a restart, to replace one that died)
+        # from its module's `Process`: in this process only, ours.
+        multiprocess.Process = WorkerProcess  # type: ignore[misc]
         signal.signal(signal.SIGTERM, self._sigterm)
         self.start = start
         self.reload = reload

@@ -271,7 +271,7 @@ class Metrics(Observer):
         self._first_token = self.overhead.labels("first_token")
         self.loop_lag = Histogram(
             "infertap_event_loop_lag_seconds",
-            "How late a task sleeping on infertap's event loop wakes up (a probe every 0.5 s).",
+            "How late a task sleeping on infertap's event loop wakes up (a probe every second).",
             registry=r,
             buckets=OVERHEAD_BUCKETS,
         )
