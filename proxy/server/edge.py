@@ -34,6 +34,7 @@ from typing import Any
 import orjson
 
 from proxy.server.raw_routes import RawRoutesProtocol
+from proxy.server.ticks import renew_date
 from proxy.settings import ServerSettings
 
 log = logging.getLogger("infertap.edge")
@@ -201,6 +202,7 @@ class EdgeProtocol(RawRoutesProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._disarm_head_timer()
+        renew_date(self.server_state, self.config)  # before a cycle takes the default headers
         super().on_headers_complete()
 
     def _refuse_in_callback(self, message: str) -> None:
@@ -210,4 +212,5 @@ class EdgeProtocol(RawRoutesProtocol):
     def send_400_response(self, msg: str) -> None:
         # After a refusal of ours the parser's own error follows (a callback raised): one answer only.
         if not self.transport.is_closing():
+            renew_date(self.server_state, self.config)
             super().send_400_response(msg)

@@ -1,28 +1,39 @@
-"""uvicorn's server, waking once a second when idle instead of ten times.
+"""uvicorn's server, whose main loop sleeps until it is told to exit instead of waking ten times
+a second.
 
 uvicorn's main loop sleeps 0.1 s at a time, to renew the `Date` header once a second and to see
 `should_exit` soon after a signal sets it. On an idle core each wake-up is a few hundred
-microseconds of CPU (the loop's timer, the task, cold caches): infertap idle cost 2.0 ms of CPU a
-second, ten times what the requests of a quiet hour need, and a tenth of the CPU `infertap bench`
-counts for a paced stream one at a time. This one sleeps until the next second begins (so `Date`
-turns with the wall clock, not up to a second late), and is woken at once when `should_exit` is
-set, whoever sets it (uvicorn's signal handler, the drain, a test): a shutdown starts as soon as
-it did.
+microseconds of CPU (the loop's timer, the task, cold caches): infertap idle cost 2.1 ms of CPU a
+second, more than the requests of a quiet hour need, and a sixth of the CPU `infertap bench`
+counts for a paced stream one at a time. Here the `Date` header is renewed by the request that
+finds it a second old (`renew_date`, called by the edge as each request's head is complete and
+before a 400), and the main loop is woken at once when `should_exit` is set, whoever sets it
+(uvicorn's signal handler, the drain, a test): a shutdown starts as soon as it did.
 
-Built on uvicorn's `main_loop`/`on_tick` (pinned: pyproject.toml; tests/test_ticks.py fails should
-they change).
+Built on uvicorn's `main_loop`/`on_tick` and its `ServerState.default_headers` (pinned:
+pyproject.toml; tests/test_ticks.py fails should they change).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from email.utils import formatdate
+from typing import Any
 
 import uvicorn
 
-# The main loop's tick: it sleeps until the next whole multiple of this on the wall clock. Each
-# tick renews the Date header, which has whole seconds.
-TICK_S = 1.0
+
+def renew_date(state: Any, config: uvicorn.Config) -> None:
+    """uvicorn's default headers (`Date`, its `server` header if on, `--header`s) as on_tick sets
+    them, renewed when the second has turned since they were made."""
+    now = time.time()
+    second = int(now)
+    if getattr(state, "date_second", None) == second:
+        return
+    state.date_second = second
+    date = [(b"date", formatdate(now, usegmt=True).encode())] if config.date_header else []
+    state.default_headers = date + config.encoded_headers
 
 
 class Server(uvicorn.Server):
@@ -55,17 +66,11 @@ class Server(uvicorn.Server):
 
     async def main_loop(self) -> None:
         self._loop = loop = asyncio.get_running_loop()
-        counter = 0
-        should_exit = await self.on_tick(counter)
+        should_exit = await self.on_tick(0)
         while not should_exit:
-            counter = (counter + 10) % 864000  # every tick a whole second's: on_tick renews Date
             self._woken = woken = loop.create_future()
             if not self._exit:
-                delay = TICK_S - time.time() % TICK_S
-                handle = loop.call_later(delay, self._wake)
-                try:
-                    await woken
-                finally:
-                    handle.cancel()
+                await woken
             self._woken = None
-            should_exit = await self.on_tick(counter)
+            # A count that is not a multiple of 10: uvicorn's on_tick leaves Date to renew_date.
+            should_exit = await self.on_tick(1)

@@ -125,7 +125,7 @@ def _empty_own(path: str) -> None:
 
 class WorkerProcess(multiprocess.Process):
     """uvicorn's worker process, serving with infertap's Server (proxy/server/ticks.py: a main loop
-    that wakes once a second, not ten times)."""
+    asleep until told to exit, not waking ten times a second)."""
 
     @property
     def server(self) -> Server:
