@@ -43,6 +43,19 @@ LOADS = {
 }
 
 
+def wait_ready(label: str, p: subprocess.Popen[bytes], port: int) -> None:
+    """Until the tree's infertap on `port` answers /healthz (exits when it died or took a minute)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            P.http_get_json(port, "/healthz")
+            return
+        except (OSError, ValueError):
+            if time.monotonic() > deadline or p.poll() is not None:
+                sys.exit(f"{label} did not start")
+            time.sleep(0.2)
+
+
 def main() -> None:
     if len(sys.argv) < 4 or any(load not in LOADS for load in sys.argv[2].split(",")):
         sys.exit(__doc__)
@@ -67,15 +80,7 @@ def main() -> None:
             P.pin_child(p.pid, 1)
             procs[label] = (p, port)
         for _label, (p, port) in procs.items():
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    P.http_get_json(port, "/healthz")
-                    break
-                except (OSError, ValueError):
-                    if time.monotonic() > deadline or p.poll() is not None:
-                        sys.exit(f"{_label} did not start")
-                    time.sleep(0.2)
+            wait_ready(_label, p, port)
             for stream in (True, False):  # warm-up: connections, caches
                 lg.run(Job("127.0.0.1", port, stream, 8, 400), 60)
         names = list(procs)

@@ -164,6 +164,8 @@ def main() -> None:
     if len(sys.argv) < 4:
         sys.exit(__doc__)
     sys.path.insert(0, str(ROOT))
+    from ab import wait_ready  # (this script's folder is on sys.path when it runs)
+
     from proxy.tools.bench import processes as P
     from proxy.tools.bench.loadgen import Job
 
@@ -189,15 +191,7 @@ def main() -> None:
             P.pin_child(p.pid, 1)
             procs[label] = (p, port, out)
         for label, (p, port, out) in procs.items():
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    P.http_get_json(port, "/healthz")
-                    break
-                except (OSError, ValueError):
-                    if time.monotonic() > deadline or p.poll() is not None:
-                        sys.exit(f"{label} did not start")
-                    time.sleep(0.2)
+            wait_ready(label, p, port)
             lg.run(Job("127.0.0.1", port, True, 8, 200), 60)  # warm-up: connections, caches
             out.write_text("")
         names = list(procs)
