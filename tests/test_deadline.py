@@ -6,6 +6,7 @@ asyncio's own loop. Driven by the loop's turns, not by how long anything takes."
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Coroutine
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -122,3 +123,33 @@ def test_current_task_follows_the_running_loop() -> None:
     assert len(set(map(id, seen))) == 3
     with pytest.raises(RuntimeError):
         current_task()
+
+
+def test_current_task_is_this_threads_while_another_threads_loop_runs_a_task() -> None:
+    """Two loops in two threads, as the tests' servers run: while a task of the other thread's loop
+    is running, current_task() here is still this thread's task. (It kept the loop it last found,
+    and answered with the other thread's task: that task's deadline timer then went onto the other
+    loop from this thread, and its cancellation to the wrong request; found by a failing CI run.)"""
+    inside = threading.Event()
+    release = threading.Event()
+    theirs: list[asyncio.Task[Any]] = []
+
+    async def busy() -> None:
+        theirs.append(current_task())
+        inside.set()
+        release.wait(30)  # blocks inside the task's step: it stays its loop's current task
+
+    other = threading.Thread(target=lambda: asyncio.run(busy()))
+    other.start()
+    try:
+        assert inside.wait(30)
+
+        async def mine() -> tuple[asyncio.Task[Any], asyncio.Task[Any] | None]:
+            return current_task(), asyncio.current_task()
+
+        found, expected = uvloop.run(mine())
+        assert found is expected
+        assert found is not theirs[0]
+    finally:
+        release.set()
+        other.join(30)

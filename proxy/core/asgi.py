@@ -82,20 +82,14 @@ def deadline(seconds: float | None) -> contextlib.AbstractAsyncContextManager[ob
     return _NO_DEADLINE if seconds is None else Deadline(seconds)
 
 
-# The loop current_task last found running. asyncio's own lookup of the running loop makes a
-# getpid(2) each time in Python 3.11, and asyncio.timeout makes three: a system call or more a request.
-_loop: asyncio.AbstractEventLoop | None = None
-
-
 def current_task() -> asyncio.Task[Any]:
-    """asyncio.current_task(), of a task on the running loop (a RuntimeError outside one)."""
-    global _loop
-    if _loop is not None:
-        task = asyncio.current_task(_loop)
-        if task is not None:  # a task of _loop is running, so _loop is the running loop
-            return task
-    _loop = asyncio.get_running_loop()
-    task = asyncio.current_task(_loop)
+    """asyncio.current_task(), never None (a RuntimeError outside a task).
+
+    Not through a loop found before: a loop kept from one call to the next may be running in
+    another thread at the next (tests run several servers in threads), and asyncio.current_task(
+    that loop) then answers with that thread's task (tests/test_deadline.py). asyncio's own lookup
+    of the running loop costs a getpid(2) in Python 3.11: one a call."""
+    task = asyncio.current_task()
     if task is None:
         raise RuntimeError("a deadline needs a task")
     return task
@@ -106,7 +100,8 @@ class Deadline:
     runs out, and that cancellation leaves the block as TimeoutError, unless another cancellation
     of the task came meanwhile (asyncio.timeout's rule, with `uncancel`); any other cancellation
     goes through unchanged. Less work than asyncio.timeout (measured: about 18k instructions to
-    its 29k a block) and no system call; tests/test_deadline.py holds the two to the same answers."""
+    its 29k a block, one getpid(2) to its three); tests/test_deadline.py holds the two to the same
+    answers."""
 
     __slots__ = ("_seconds", "_task", "_handle", "_cancelling", "_expired")
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -44,10 +43,6 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         self.line_formatter = logging.Formatter(LOG_FORMAT)
         self.setFormatter(self.line_formatter)
         self.kept: list[str] = []  # LineWriter's lines, until the loop's next turn
-        # The loop that takes them and its thread, as last found: asyncio's lookup of the running
-        # loop costs a getpid(2) each time (Python 3.11), a system call a line when lines come alone.
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = 0
         self.alone_s = ALONE_S
         self._last = float("-inf")  # time.monotonic() of the last line
 
@@ -66,14 +61,13 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
             kept.append(line)
             if len(kept) > 1:
                 return
-        loop = self._loop
-        if loop is None or self._thread != threading.get_ident() or not loop.is_running():
-            loop = self._loop = asyncio._get_running_loop()
-            if loop is None:
-                self.write_kept()
-                return
-            self._thread = threading.get_ident()
-        loop.call_soon(self.write_kept)
+        # The running loop is looked up, never kept: a loop kept may be another thread's by now.
+        # (A getpid(2) in Python 3.11, once a batch of lines: lines that come alone do not get here.)
+        loop = asyncio._get_running_loop()
+        if loop is None:
+            self.write_kept()
+        else:
+            loop.call_soon(self.write_kept)
 
     def write_kept(self) -> None:
         with self.lock:  # type: ignore[union-attr]
