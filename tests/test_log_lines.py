@@ -207,3 +207,24 @@ def test_lines_outside_the_loop_that_ran_before_are_written_at_once() -> None:
         "after it",
         "from a thread",
     ]
+
+
+def test_lines_kept_for_a_loop_that_stopped_are_written_by_the_next_loop() -> None:
+    """Lines kept for a loop's next turn, when that loop stopped first (another thread's server, one
+    that ended): the next line's loop writes them all, rather than keeping every line after them."""
+    with alone() as (handler, stream):
+        handler.alone_s = 3600.0
+        writer = LineWriter(logging.getLogger("infertap.test_log_lines"))
+        stopped = asyncio.new_event_loop()
+        stopped.close()
+        handler.kept = ["kept for a loop that stopped\n"]
+        handler._due = stopped
+
+        async def later() -> None:
+            writer.write(logging.INFO, "a later line")
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+
+        asyncio.run(later())
+    assert stream.getvalue().splitlines()[0] == "kept for a loop that stopped"
+    assert stream.getvalue().splitlines()[1].endswith(": a later line")

@@ -43,6 +43,7 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         self.line_formatter = logging.Formatter(LOG_FORMAT)
         self.setFormatter(self.line_formatter)
         self.kept: list[str] = []  # LineWriter's lines, until the loop's next turn
+        self._due: asyncio.AbstractEventLoop | None = None  # the loop whose next turn writes them
         self.alone_s = ALONE_S
         self._last = float("-inf")  # time.monotonic() of the last line
 
@@ -59,14 +60,18 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
                     self._write(line, 1)
                     return
             kept.append(line)
-            if len(kept) > 1:
-                return
+            due = self._due
+            if len(kept) > 1 and due is not None and due.is_running():
+                return  # that loop's next turn writes this one too
         # The running loop is looked up, never kept: a loop kept may be another thread's by now.
         # (A getpid(2) in Python 3.11, once a batch of lines: lines that come alone do not get here.)
+        # (Also where the loop that was to write the kept lines stopped first: another thread's,
+        # in a process with several, or one that ended before its next turn.)
         loop = asyncio._get_running_loop()
         if loop is None:
             self.write_kept()
         else:
+            self._due = loop
             loop.call_soon(self.write_kept)
 
     def write_kept(self) -> None:
@@ -75,6 +80,7 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
             if not kept:
                 return
             self.kept = []
+            self._due = None
             self._write(kept[0] if len(kept) == 1 else "".join(kept), len(kept))
 
     def _write(self, text: str, lines: int) -> None:
