@@ -19,7 +19,7 @@ import uvicorn
 from proxy.app import create_app
 from proxy.core.exchange import Exchange
 from proxy.core.hooks import HOOKS, Observer
-from proxy.server.ticks import Server
+from proxy.server.uvicorn_server import Server
 from proxy.settings import Settings, UpstreamSettings
 from proxy.tools.fake_upstream import FakeUpstream
 
@@ -43,14 +43,22 @@ def serve_in_thread(app: Any) -> Iterator[str]:
         proxy_headers=False,  # as `infertap serve` runs it: the client address is the peer's
         timeout_graceful_shutdown=2,
     )
-    server = Server(config)  # infertap's (proxy/server/ticks.py), as `infertap serve` runs it
+    with server_in_thread(config) as (_, _, base):
+        yield base
+
+
+@contextmanager
+def server_in_thread(config: uvicorn.Config) -> Iterator[tuple[Server, threading.Thread, str]]:
+    """`config` served by infertap's Server (proxy/server/uvicorn_server.py), as `infertap serve`
+    runs it, in a thread: the server, its thread and its base URL."""
+    server = Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_until(lambda: server.started or not thread.is_alive(), what="server start")
     assert server.started, "server failed to start"
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield server, thread, f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=10)

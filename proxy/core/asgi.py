@@ -91,7 +91,7 @@ def current_task() -> asyncio.Task[Any]:
     of the running loop costs a getpid(2) in Python 3.11: one a call."""
     task = asyncio.current_task()
     if task is None:
-        raise RuntimeError("a deadline needs a task")
+        raise RuntimeError("not called from a task")
     return task
 
 

@@ -359,14 +359,17 @@ class SSEScanner:
                         outputs += run
                         if start >= size:
                             break
-                end = self._shaped(chunk, start)
-                if end:
-                    self.facts.events += 1
-                    outputs += 1
-                    if self._shape_out is not None:
+                    # The event at `start` failed _shaped's own test: it takes the long way below,
+                    # and the shape is dropped, as _shaped drops it.
+                    self._shape_len = 0
+                else:
+                    end = self._shaped(chunk, start)
+                    if end:
+                        self.facts.events += 1
+                        outputs += 1
                         edited.append((end - len(self._shape_tail), end, self._shape_out))
-                    start = end
-                    continue
+                        start = end
+                        continue
             if cr:
                 m = _BLANK.search(chunk, start)
                 end = size if m is None else m.end()

@@ -63,10 +63,9 @@ class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
             due = self._due
             if len(kept) > 1 and due is not None and due.is_running():
                 return  # that loop's next turn writes this one too
-        # The running loop is looked up, never kept: a loop kept may be another thread's by now.
-        # (A getpid(2) in Python 3.11, once a batch of lines: lines that come alone do not get here.)
-        # (Also where the loop that was to write the kept lines stopped first: another thread's,
-        # in a process with several, or one that ended before its next turn.)
+        # The first line of a batch, or one whose batch's loop stopped before its turn (another
+        # thread's, one that ended). The running loop is looked up, never kept: a loop kept may be
+        # another thread's by now. (A getpid(2) in Python 3.11, once a batch.)
         loop = asyncio._get_running_loop()
         if loop is None:
             self.write_kept()

@@ -34,7 +34,7 @@ from typing import Any
 import orjson
 
 from proxy.server.raw_routes import RawRoutesProtocol
-from proxy.server.ticks import renew_date
+from proxy.server.uvicorn_server import renew_date
 from proxy.settings import ServerSettings
 
 log = logging.getLogger("infertap.edge")

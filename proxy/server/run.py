@@ -13,7 +13,7 @@ import uvicorn
 
 from proxy.control import reload_sharing as peers
 from proxy.server.options import reloader
-from proxy.server.ticks import Server
+from proxy.server.uvicorn_server import Server
 from proxy.server.workers import ARGV_ENV, SETTINGS_ENV, Supervisor, admin_socket, multiprocess_metrics
 from proxy.settings import ConfigError, Settings
 

@@ -22,7 +22,7 @@ from uvicorn.supervisors import Multiprocess, multiprocess
 from proxy.control import reload_sharing as peers
 from proxy.server.logs import configure_logging
 from proxy.server.options import reloader
-from proxy.server.ticks import Server
+from proxy.server.uvicorn_server import Server
 from proxy.settings import ConfigError, Settings
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ def _empty_own(path: str) -> None:
 
 
 class WorkerProcess(multiprocess.Process):
-    """uvicorn's worker process, serving with infertap's Server (proxy/server/ticks.py: a main loop
+    """uvicorn's worker process, serving with infertap's Server (proxy/server/uvicorn_server.py: a main loop
     asleep until told to exit, not waking ten times a second)."""
 
     @property

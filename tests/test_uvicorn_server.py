@@ -1,5 +1,5 @@
-"""proxy/server/ticks.py: uvicorn's server with a main loop that wakes once a second, not ten
-times, and at once when told to exit; the Date header still turns with the second."""
+"""proxy/server/uvicorn_server.py: uvicorn's server with a main loop that sleeps until it is told to
+exit, woken at once then; the Date header still turns with the second."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from contextlib import contextmanager
 import httpx
 import uvicorn
 
-from proxy.server.ticks import Server
-from tests.conftest import wait_until
+from proxy.server.uvicorn_server import Server
+from tests.conftest import server_in_thread, wait_until
 
 
 async def _app(scope: dict[str, object], receive: object, send: object) -> None:
@@ -35,17 +35,8 @@ def served() -> Iterator[tuple[Server, threading.Thread, str]]:
         http="proxy.server.edge:EdgeProtocol",
         headers=[("x-served-by", "test")],
     )
-    server = Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started or not thread.is_alive(), what="server start")
-    assert server.started
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield server, thread, f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with server_in_thread(config) as served:
+        yield served
 
 
 def test_exit_is_woken_at_once() -> None:
