@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from proxy import compiled
+
+# Before any other module of the package: a build whose sources changed is not used (proxy/compiled/).
+compiled.install()
+
 __version__ = "0.1.0"
 __all__ = ["Settings", "__version__", "create_app"]
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from proxy.settings.sections import DEFAULT_PROMPT_CLASS_BOUNDS
 
 
@@ -66,6 +68,8 @@ class TokenSource(StrEnum):
 _USAGE, _ESTIMATED = TokenSource.USAGE, TokenSource.ESTIMATED
 
 
+# Subclassed outside the compiled modules (proxy/compiled/): the tests extend the record.
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass(slots=True, eq=False)
 class Exchange:
     """Monotonic timestamps come from time.perf_counter(); only `started_unix_ns` is wall-clock."""

@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 import orjson
+from mypy_extensions import mypyc_attr
 
 from proxy.core.errors import ErrorKind, UpstreamError
 from proxy.core.stream_facts import StreamFacts, absorb_response, absorb_responses_event
@@ -98,6 +99,8 @@ def _last_boundary(buf: bytes | bytearray, start: int = 0, cr: int | None = None
     return end
 
 
+# Subclassed outside the compiled modules (proxy/compiled/).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class SSEScanner:
     """Feed it upstream chunks; it returns the bytes to forward and how many output events they hold.
 

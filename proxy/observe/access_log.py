@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import orjson
+from mypy_extensions import mypyc_attr
 
 from proxy.core.exchange import Exchange, LocalAnswer
 from proxy.core.hooks import Observer
@@ -171,6 +172,9 @@ def _json_line(record: dict[str, Any]) -> str:
     return line
 
 
+# A class with a base that is not compiled: a plain Python class, its methods compiled
+# (proxy/compiled/).
+@mypyc_attr(native_class=False)
 class AccessLog(Observer):
     name = "access_log"
 

@@ -26,6 +26,8 @@ import asyncio
 import logging
 import time
 
+from mypy_extensions import mypyc_attr
+
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 # A line that comes this long after the one before is written at once.
@@ -35,6 +37,9 @@ ALONE_S = 0.001
 _MILLIS = tuple(f",{ms:03d}" for ms in range(1000))
 
 
+# A class with a base that is not compiled: a plain Python class, its methods compiled
+# (proxy/compiled/). Laid out natively, it crashed the interpreter in a first build.
+@mypyc_attr(native_class=False)
 class LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """The handler `install` gives the root logger: stderr, LOG_FORMAT."""
 

@@ -12,6 +12,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mypy_extensions import mypyc_attr
+
 from proxy.core.exchange import Exchange, Outcome
 from proxy.core.hooks import Observer
 
@@ -42,6 +44,9 @@ def p50(samples: deque[float]) -> float | None:
     return ordered[len(ordered) // 2]
 
 
+# A class with a base that is not compiled: a plain Python class, its methods compiled
+# (proxy/compiled/).
+@mypyc_attr(native_class=False)
 class UpstreamStats(Observer):
     name = "upstream_stats"
 

@@ -14,10 +14,12 @@ Three things a pooled connection must get right:
 from __future__ import annotations
 
 import asyncio
+import asyncio.protocols  # named for mypyc: the base class of H1Connection lives there
 import time
 from collections.abc import Callable
 
 import httptools
+from mypy_extensions import mypyc_attr
 
 from proxy.core.errors import UpstreamError
 from proxy.transport import h1_errors
@@ -28,7 +30,10 @@ class Stale(Exception):
     """A reused connection failed before a byte of the answer arrived: ask again on a fresh one."""
 
 
-class H1Connection(asyncio.Protocol):
+# A class with a base that is not compiled: a plain Python class, its methods compiled
+# (proxy/compiled/).
+@mypyc_attr(native_class=False)
+class H1Connection(asyncio.protocols.Protocol):
     def __init__(self, loop: asyncio.AbstractEventLoop, put: Callable[[H1Connection], None]) -> None:
         self.loop = loop
         self.put = put  # back to the origin's idle connections

@@ -21,6 +21,8 @@ import os
 import threading
 from collections.abc import Iterable
 
+from mypy_extensions import mypyc_attr
+
 log = logging.getLogger("infertap.metrics")
 
 OTHER = "other"
@@ -56,6 +58,8 @@ class SharedNames:
             return True, names
 
 
+# Subclassed outside the compiled modules (proxy/compiled/).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class BoundedLabels:
     """Maps a name to a bounded label value: the first `cap` names that `accepts` admits keep their
     own value (across the workers sharing `shared_dir`), the rest are OTHER, a missing one `missing`."""

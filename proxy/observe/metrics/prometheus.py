@@ -13,6 +13,7 @@ from collections.abc import Collection, Iterator
 from importlib.metadata import version
 from typing import Any
 
+from mypy_extensions import mypyc_attr
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, values
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
@@ -86,6 +87,9 @@ def _default_model_patterns(settings: Settings) -> list[str] | None:
     return patterns or None
 
 
+# A class with a base that is not compiled: a plain Python class, its methods compiled
+# (proxy/compiled/).
+@mypyc_attr(native_class=False)
 class Metrics(Observer):
     """Turns each Exchange into Prometheus observations. O(1) work per output event."""
 

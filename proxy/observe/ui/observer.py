@@ -19,6 +19,8 @@ from collections import deque
 from collections.abc import Callable, Collection
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from proxy import __version__
 from proxy.core.errors import TIMEOUT_PHASES
 from proxy.core.exchange import Exchange, Outcome
@@ -41,6 +43,9 @@ NAMES = tuple(f"p{round(q * 100)}" for q in QUANTILES)
 _OK, _REJECTED = Outcome.OK.value, Outcome.REJECTED.value
 
 
+# A class with a base that is not compiled: a plain Python class, its methods compiled
+# (proxy/compiled/).
+@mypyc_attr(native_class=False)
 class UIObserver(Observer):
     name = "ui"
 

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any
 
-from proxy import __version__
+from proxy import __version__, compiled
 from proxy.server.os_limits import raise_nofile
 from proxy.tools.bench.fleet import fleet_targets, run_fleet
 from proxy.tools.bench.nginx import INSTALL_HINT, find_nginx
@@ -58,6 +58,8 @@ def _machine(bench: Bench, nofile: tuple[int, int]) -> dict[str, Any]:
         "kernel": platform.release(),
         "python": platform.python_version(),
         "infertap": __version__,
+        # The proxies run what this process imported: compiled, or why not (proxy/compiled/).
+        "hot_path": compiled.state,
         "harness_cpu": bench.harness_cpu,
         "proxy_cpu": bench.proxy_cpu,
         "nofile_soft_before": nofile[0],

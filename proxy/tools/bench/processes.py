@@ -339,7 +339,12 @@ class Infertap(ServerProcess):
         # Hermetic: the caller's INFERTAP_* or OTEL_* settings (a config file, client keys, an OTLP
         # endpoint) would change what is measured.
         # Otherwise as users run it: the defaults, the access log (one line per request) included.
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("INFERTAP_", "OTEL_"))}
+        # INFERTAP_NATIVE stays: which hot path runs is the bench's to choose (proxy/compiled/).
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k == "INFERTAP_NATIVE" or not k.startswith(("INFERTAP_", "OTEL_"))
+        }
         env.update(extra_env or {})
         if tracing_to:
             env["OTEL_EXPORTER_OTLP_ENDPOINT"] = tracing_to

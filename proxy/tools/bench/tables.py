@@ -106,7 +106,7 @@ def render(report: dict[str, Any], markdown: bool) -> str:
     )
     lines = [
         f"machine: {m['cpu_model'] or 'unknown CPU'}, {m['cpus']} CPUs, Linux {m['kernel']}, "
-        f"Python {m['python']}, infertap {m['infertap']}; {where}",
+        f"Python {m['python']}, infertap {m['infertap']} (hot path: {m.get('hot_path', 'unknown')}); {where}",
         "",
     ]
     h = "### " if markdown else "== "
