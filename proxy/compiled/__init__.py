@@ -2,11 +2,12 @@
 that keeps a compiled module from running in place of a source that changed since.
 
 A compiled module sits beside its source (`sse.cpython-311-*.so` by `sse.py`) and Python's import
-prefers it. The modules of one build also call each other directly, in C, and were built against the types
-of the modules they import, so a build is used whole or not at all: when any source of the package
-differs from the hash that the build's manifest recorded (an edit, a checkout of another commit),
-or when INFERTAP_NATIVE=0, every compiled module is imported from its source instead. This module is never compiled, and `proxy/__init__` installs the guard
-before anything else of the package is imported. The build's manifest is `manifest.json` here.
+prefers it. The modules of one build also call each other directly, in C, and were built against
+the types of the modules they import, so a build is used whole or not at all: when any source of
+the package differs from the hash that the build's manifest recorded (an edit, a checkout of
+another commit), or when INFERTAP_NATIVE=0, every compiled module is imported from its source
+instead. This module is never compiled, and `proxy/__init__` installs the guard before anything
+else of the package is imported. The build's manifest is `manifest.json` here.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ MODULES = (
     "proxy.core.headers",
     "proxy.core.hooks",
     "proxy.core.model_routing",
+    "proxy.core.observer",
     "proxy.core.request_ids",
     "proxy.core.route_table",
     "proxy.core.sse",

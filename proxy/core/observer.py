@@ -1,13 +1,15 @@
 """The observer's base class: every hook a request's life has, each a no-op.
 
-Its own module, never compiled (proxy/compiled/): observers are subclasses of it in modules that
-are not compiled, and a class compiled by mypyc cannot have those.
+Compiled (proxy/compiled/) and open to subclasses that are not: the compiled observers are native
+classes over it, the others (tracing, spend, a user's) plain Python ones.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
+
+from mypy_extensions import mypyc_attr
 
 from proxy.core.exchange import Exchange, LocalAnswer
 
@@ -15,10 +17,12 @@ if TYPE_CHECKING:
     from proxy.settings import Settings
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Observer:
     """Base class: every hook is a no-op. Hooks are synchronous and must be cheap."""
 
-    name = "observer"
+    # A class attribute each observer sets (a native base's own attribute would hide theirs).
+    name: ClassVar[str] = "observer"
 
     def request_received(self, ex: Exchange) -> None:
         pass

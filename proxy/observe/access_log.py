@@ -172,9 +172,8 @@ def _json_line(record: dict[str, Any]) -> str:
     return line
 
 
-# A class with a base that is not compiled: a plain Python class, its methods compiled
-# (proxy/compiled/).
-@mypyc_attr(native_class=False)
+# Native (proxy/compiled/), and open to subclasses that are not compiled.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class AccessLog(Observer):
     name = "access_log"
 

@@ -44,9 +44,8 @@ def p50(samples: deque[float]) -> float | None:
     return ordered[len(ordered) // 2]
 
 
-# A class with a base that is not compiled: a plain Python class, its methods compiled
-# (proxy/compiled/).
-@mypyc_attr(native_class=False)
+# Native (proxy/compiled/), and open to subclasses that are not compiled.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class UpstreamStats(Observer):
     name = "upstream_stats"
 

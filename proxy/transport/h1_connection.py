@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 
 import httptools
-from mypy_extensions import mypyc_attr
 
 from proxy.core.errors import UpstreamError
 from proxy.transport import h1_errors
@@ -30,9 +29,6 @@ class Stale(Exception):
     """A reused connection failed before a byte of the answer arrived: ask again on a fresh one."""
 
 
-# A class with a base that is not compiled: a plain Python class, its methods compiled
-# (proxy/compiled/).
-@mypyc_attr(native_class=False)
 class H1Connection(asyncio.protocols.Protocol):
     def __init__(self, loop: asyncio.AbstractEventLoop, put: Callable[[H1Connection], None]) -> None:
         self.loop = loop

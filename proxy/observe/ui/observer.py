@@ -43,9 +43,8 @@ NAMES = tuple(f"p{round(q * 100)}" for q in QUANTILES)
 _OK, _REJECTED = Outcome.OK.value, Outcome.REJECTED.value
 
 
-# A class with a base that is not compiled: a plain Python class, its methods compiled
-# (proxy/compiled/).
-@mypyc_attr(native_class=False)
+# Native (proxy/compiled/), and open to subclasses that are not compiled.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class UIObserver(Observer):
     name = "ui"
 
