@@ -126,6 +126,34 @@ def test_a_body_cut_short_is_an_interrupted_stream(name: str, framing: str) -> N
 
 
 @IMPLEMENTATIONS
+@pytest.mark.parametrize("cut", [False, True])
+def test_a_body_read_to_its_end_or_its_failure_has_nothing_more(name: str, cut: bool) -> None:
+    """Asked again after its end, a body ends again, and after its failure it fails or ends: never
+    waits, never gives more (the httptools client's body is an iterator class, not an async
+    generator, since mypyc compiles none)."""
+
+    async def test(client: UpstreamClient) -> None:
+        answer = FRAMINGS["chunked"]
+        async with server(answering(answer[:-300] if cut else answer)) as port:
+            resp = await client.send("POST", f"http://127.0.0.1:{port}/v1/x", {}, b"{}", T, Pool("u"))
+            chunks = resp.chunks()
+            got = []
+            try:
+                async for data in chunks:
+                    got.append(data)
+                assert not cut
+            except client.errors as e:
+                assert cut and client.error(e).kind is ErrorKind.STREAM_INTERRUPTED
+            assert BODY.startswith(b"".join(got)) and bool(got)
+            for _ in range(2):
+                with pytest.raises((StopAsyncIteration, *client.errors) if cut else StopAsyncIteration):
+                    await asyncio.wait_for(anext(chunks), 5)
+            resp.close()
+
+    run(CLIENTS[name], test)
+
+
+@IMPLEMENTATIONS
 @pytest.mark.parametrize("answer", [b"HELLO WORLD\r\n\r\n", b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n"])
 def test_a_malformed_answer_is_an_upstream_error(name: str, answer: bytes) -> None:
     async def test(client: UpstreamClient) -> None:

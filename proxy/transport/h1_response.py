@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Protocol
 
 from proxy.core.errors import UpstreamError
+from proxy.transport.h1_headers import Headers
 
 # Bytes held for a consumer before the upstream's socket is no longer read: a few hundred events.
 HIGH_WATER = 256 * 1024
@@ -27,33 +28,6 @@ class Source(Protocol):
     def resume(self) -> None: ...
     def reuse(self) -> None: ...
     def close(self) -> None: ...
-
-
-class Headers(Mapping[str, str]):
-    """Case-insensitive, first value first (as aiohttp's), built at first use from the raw pairs."""
-
-    __slots__ = ("_d",)
-
-    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
-        d: dict[str, str] = {}
-        for name, value in raw:
-            d.setdefault(name.decode("latin-1").lower(), value.decode("utf-8", "surrogateescape"))
-        self._d = d
-
-    def __getitem__(self, key: str) -> str:
-        return self._d[key.lower()]
-
-    def get(self, key: str, default: str | None = None) -> str | None:  # type: ignore[override]
-        return self._d.get(key.lower(), default)
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and key.lower() in self._d
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._d)
-
-    def __len__(self) -> int:
-        return len(self._d)
 
 
 class H1Response:
@@ -150,27 +124,8 @@ class H1Response:
                 w.set_result(None)
 
     # -- the seam's side -------------------------------------------------------------------------
-    async def chunks(self) -> AsyncIterator[bytes]:
-        buf = self._buf
-        while True:
-            if buf:
-                if len(buf) == 1:
-                    data = buf.popleft()
-                else:
-                    data = b"".join(buf)
-                    buf.clear()
-                self._size = 0
-                conn = self._conn
-                if conn is not None and conn.paused:
-                    conn.resume()  # drained: the upstream may send again
-                yield data
-            elif self.done:
-                return
-            elif self.exc is not None:
-                raise self.exc
-            else:
-                self._waiter = waiter = self._loop.create_future()
-                await waiter
+    def chunks(self) -> AsyncIterator[bytes]:
+        return _Chunks(self)
 
     def pipe(self, on_data: Callable[[bytes], None]) -> asyncio.Future[None]:
         self._piped = fut = self._loop.create_future()
@@ -206,7 +161,7 @@ class H1Response:
             conn.resume()
 
     async def read(self) -> bytes:
-        return b"".join([data async for data in self.chunks()])
+        return b"".join([data async for data in _Chunks(self)])
 
     def release(self) -> None:
         conn, self._conn = self._conn, None
@@ -228,3 +183,41 @@ class H1Response:
         if self._slot is not None:
             self._slot.release()
             self._slot = None
+
+
+class _Chunks:
+    """The body as it arrives (`UpstreamResponse.chunks`): what the buffer holds, in one piece, at
+    each step. An iterator class, not an async generator: mypyc compiles no async generator
+    (proxy/compiled/), and this runs once a read."""
+
+    def __init__(self, resp: H1Response) -> None:
+        self.resp = resp
+        self.over = False  # as an async generator is, once it returned or raised
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        resp = self.resp
+        buf = resp._buf
+        while not self.over:
+            if buf:
+                if len(buf) == 1:
+                    data = buf.popleft()
+                else:
+                    data = b"".join(buf)
+                    buf.clear()
+                resp._size = 0
+                conn = resp._conn
+                if conn is not None and conn.paused:
+                    conn.resume()  # drained: the upstream may send again
+                return data
+            if resp.done:
+                self.over = True
+            elif resp.exc is not None:
+                self.over = True
+                raise resp.exc
+            else:
+                resp._waiter = waiter = resp._loop.create_future()
+                await waiter
+        raise StopAsyncIteration

@@ -283,25 +283,43 @@ def _error_answer(
     """An error answer to relay: in OpenAI's shape where the engine used another, so that the
     client's SDK shows the engine's message (an encoded or oversized body goes as it came)."""
     if more is not None:
-        return Ready(resp, _chain(content, more))
+        return Ready(resp, _Chain(content, more))
     shaped = None
     if resp.headers.get("content-encoding", "identity").lower() in ("", "identity"):
         content_type = resp.headers.get("content-type", "").lower()
         shaped = openai_error_body(resp.status, content_type, content, up.name, up.api_key)
     if shaped is None:
-        return Ready(resp, _empty(), prefetched=content)
-    return Ready(resp, _empty(), prefetched=shaped, reshaped=True)
+        return Ready(resp, _Empty(), prefetched=content)
+    return Ready(resp, _Empty(), prefetched=shaped, reshaped=True)
 
 
-async def _chain(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    yield first
-    async for data in rest:
-        yield data
+class _Chain:
+    """`first`, then what `rest` yields. An iterator class, not an async generator: mypyc compiles
+    no async generator (proxy/compiled/)."""
+
+    def __init__(self, first: bytes, rest: AsyncIterator[bytes]) -> None:
+        self.first: bytes | None = first
+        self.rest = rest
+
+    def __aiter__(self) -> _Chain:
+        return self
+
+    async def __anext__(self) -> bytes:
+        first = self.first
+        if first is not None:
+            self.first = None
+            return first
+        return await self.rest.__anext__()
 
 
-async def _empty() -> AsyncIterator[bytes]:
-    return
-    yield b""  # pragma: no cover - makes this an async generator
+class _Empty:
+    """A body with nothing (more) to read."""
+
+    def __aiter__(self) -> _Empty:
+        return self
+
+    async def __anext__(self) -> bytes:
+        raise StopAsyncIteration
 
 
 def retry_after(value: str | None) -> float | None:
