@@ -16,9 +16,7 @@ No prometheus_client import here (only prometheus.py may): the classes to check 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections import Counter
 from collections.abc import Callable
-from functools import partial
 from typing import Any, NamedTuple
 
 
@@ -73,12 +71,33 @@ def _observe_all_at_once(child: Any, values: list[float]) -> None:
         child._sum.inc(value)
         buckets[bisect_left(bounds, value)].inc(1)
         return
-    # Each value's bucket found and counted in C (map, Counter's counting loop): a stream's second
-    # of gaps is a hundred of them, and a Python loop over them cost as much as the bisections.
-    counts = Counter(map(partial(bisect_left, bounds), values))
-    for i, n in counts.items():
+    for i, n in _bucket_counts(bounds, values).items():
         buckets[i].inc(n)
     child._sum.inc(sum(values))
+
+
+def _bucket_counts(bounds: list[float], values: list[float]) -> dict[int, int]:
+    """How many of `values` fall in each bucket (prometheus_client's: the first bound at or above
+    the value; the last bound is +Inf). A stream's second of gaps is a hundred values, mostly in
+    one or two buckets: sorted once (in C) and walked against the bounds, with a bisection only
+    where the bucket changes, that costs a fifth of bisecting each value and counting the indexes
+    (a Counter over a map) compiled, a third as Python (100 steady gaps: 3.2 against 15.5 µs
+    compiled, 6.2 against 19.6 µs as Python)."""
+    counts: dict[int, int] = {}
+    i = n = 0
+    bound = bounds[0]
+    for value in sorted(values):
+        if value <= bound:
+            n += 1
+            continue
+        if n:
+            counts[i] = n
+        i = bisect_left(bounds, value, i + 1)
+        bound = bounds[i]
+        n = 1
+    if n:
+        counts[i] = n
+    return counts
 
 
 def _inc_method(child: Any, amount: float = 1) -> None:
@@ -131,7 +150,7 @@ def _observe_many_unlocked(child: Any, value: float, n: int) -> None:
 
 def _observe_all_unlocked(child: Any, values: list[float]) -> None:
     buckets = child._buckets
-    for i, n in Counter(map(partial(bisect_left, child._upper_bounds), values)).items():
+    for i, n in _bucket_counts(child._upper_bounds, values).items():
         buckets[i]._value += n
     child._sum._value += sum(values)
 
