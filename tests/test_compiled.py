@@ -5,6 +5,7 @@ natively are marked so."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -14,6 +15,9 @@ from pathlib import Path
 import pytest
 
 from proxy import compiled
+from proxy.core.exchange import Exchange
+from proxy.core.forward.attempts import Call, Ready
+from proxy.core.stream_facts import StreamFacts
 
 ROOT = Path(__file__).resolve().parents[1]
 built = any(compiled._built(name) for name in compiled.MODULES) and compiled.manifest_state() == "fresh"
@@ -177,3 +181,97 @@ def test_the_image_never_takes_the_hosts_build() -> None:
     ignore = (ROOT / ".dockerignore").read_text().splitlines()
     assert "proxy/**/*.so" in ignore
     assert "proxy/compiled/manifest.json" in ignore
+
+
+def _dataclasses_with_own_init() -> set[str]:
+    found = set()
+    for module, node in _classes():
+        dataclass_ = any(ast.unparse(d).startswith("dataclass") for d in node.decorator_list)
+        own_init = any(isinstance(n, ast.FunctionDef) and n.name == "__init__" for n in node.body)
+        if dataclass_ and own_init:
+            found.add(f"{module}.{node.name}")
+    return found
+
+
+WRITTEN_INITS = {
+    "proxy.core.exchange.Exchange": Exchange,
+    "proxy.core.stream_facts.StreamFacts": StreamFacts,
+    "proxy.core.forward.attempts.Call": Call,
+    "proxy.core.forward.attempts.Ready": Ready,
+}
+
+
+def test_every_dataclass_whose_init_is_written_out_is_checked_here() -> None:
+    assert _dataclasses_with_own_init() == set(WRITTEN_INITS)
+
+
+@pytest.mark.parametrize("name", sorted(WRITTEN_INITS))
+def test_a_written_out_init_sets_each_field_once_to_its_parameter_or_declared_default(name: str) -> None:
+    """As read in the source: each field (in order) set once, to the parameter of its name (whose
+    default is the field's) or to the field's default; a default_factory's value made anew."""
+    module, _, cls_name = name.rpartition(".")
+    tree = ast.parse(compiled.source(module).read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name)
+    fields = [
+        n for n in node.body if isinstance(n, ast.AnnAssign) and "ClassVar" not in ast.unparse(n.annotation)
+    ]
+    init = next(n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    args = [*init.args.args[1:], *init.args.kwonlyargs]
+    defaults = [None] * (len(init.args.args) - 1 - len(init.args.defaults)) + [*init.args.defaults]
+    params = {
+        a.arg: None if d is None else ast.unparse(d)
+        for a, d in zip(args, [*defaults, *init.args.kw_defaults], strict=True)
+    }
+    sets = [
+        (stmt.targets[0].attr, stmt.value)
+        for stmt in init.body
+        if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Attribute)
+    ]
+    assert [attr for attr, _ in sets] == [ast.unparse(f.target) for f in fields]
+    for f, (attr, value) in zip(fields, sets, strict=True):
+        declared = None if f.value is None else ast.unparse(f.value)
+        factory = None
+        if isinstance(f.value, ast.Call) and ast.unparse(f.value.func) == "field":
+            factory = ast.unparse(f.value.keywords[0].value)
+        made = ast.unparse(value)
+        if factory is not None:
+            call = {"dict": "{}", "list": "[]"}.get(factory, f"{factory}()")
+            assert made in (call, f"{call} if {attr} is None else {attr}"), attr
+            assert made == call or params[attr] == "None", attr
+        elif made == attr:
+            assert params[attr] == declared, attr
+        else:
+            assert attr not in params and made == declared, attr
+
+
+@pytest.mark.parametrize("name", ["proxy.core.exchange.Exchange", "proxy.core.stream_facts.StreamFacts"])
+def test_a_written_out_init_sets_every_field_to_its_declared_default(name: str) -> None:
+    """The dataclass's fields stay the truth (repr, fields(), asdict, subclasses that are
+    dataclasses): an __init__ written out for speed must set each one as the generated one would."""
+    cls = WRITTEN_INITS[name]
+    required = [
+        f.name for f in dataclasses.fields(cls) if f.default is f.default_factory is dataclasses.MISSING
+    ]
+    made = cls(*required)
+    for f in dataclasses.fields(cls):
+        value = getattr(made, f.name)  # unset: AttributeError
+        if f.name in required:
+            assert value == f.name, f.name
+        elif f.default is not dataclasses.MISSING:
+            assert value == f.default and type(value) is type(f.default), f.name
+        else:
+            factory = f.default_factory
+            assert callable(factory)
+            expected = factory()
+            assert type(value) is type(expected), f.name
+            if isinstance(expected, (dict, list)):
+                assert value == expected, f.name
+                assert value is not getattr(cls(*required), f.name), f"{f.name}: shared between records"
+
+
+def test_the_written_out_inits_take_their_keywords() -> None:
+    ex = Exchange(
+        "r", "chat.completions", "POST", "/v1/x", received_at=1.5, started_unix_ns=7, model="m", upstream="u"
+    )
+    assert (ex.received_at, ex.started_unix_ns, ex.model, ex.upstream) == (1.5, 7, "m", "u")
+    assert StreamFacts(capture_chars=5).capture_chars == 5

@@ -145,6 +145,72 @@ class Exchange:
     # Per-request state for observers (a span, say), keyed by the observer's name.
     scratch: dict[str, Any] = field(default_factory=dict)
 
+    # Written out, where dataclass would generate it: compiled (proxy/compiled/), this costs a
+    # tenth of the generated one, which runs as Python, once a request. It sets every field to its
+    # declared default; tests/test_compiled.py holds the two to each other.
+    def __init__(
+        self,
+        request_id: str,
+        route: str,
+        method: str,
+        path: str,
+        *,
+        received_at: float | None = None,
+        started_unix_ns: int | None = None,
+        model: str | None = None,
+        upstream: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.route = route
+        self.method = method
+        self.path = path
+        self.received_at = time.perf_counter() if received_at is None else received_at
+        self.started_unix_ns = time.time_ns() if started_unix_ns is None else started_unix_ns
+        self.model = model
+        self.stream = False
+        self.params = {}
+        self.prompt_chars = 0
+        self.prompt_class = ""
+        self.upstream = upstream
+        self.upstream_url = None
+        self.replica = None
+        self.upstream_headers = {}
+        self.attempts = 0
+        self.retries = 0
+        self.status_code = None
+        self.attempt_started_at = None
+        self.attempt_failed_at = None
+        self.first_byte_at = None
+        self.upstream_sent_at = None
+        self.first_output_read_at = None
+        self.first_token_at = None
+        self.first_answer_at = None
+        self.last_token_at = None
+        self.finished_at = None
+        self.output_events = 0
+        self.gaps = []
+        self.zero_gaps = 0
+        self.gaps_due = 0.0
+        self.prompt_tokens = None
+        self.completion_tokens = None
+        self.cached_tokens = None
+        self.reasoning_tokens = None
+        self.client = "anonymous"
+        self.cost = None
+        self.unpriced = False
+        self.response_id = None
+        self.response_model = None
+        self.finish_reasons = []
+        self.outcome = None
+        self.error_message = None
+        self.usage_injected = False
+        self.trace_context = {}
+        self.trace_id = None
+        self.request_json = None
+        self.capture_output_chars = 0
+        self.output_text = None
+        self.scratch = {}
+
     @property
     def ttft(self) -> float | None:
         if self.first_token_at is None:
