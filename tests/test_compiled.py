@@ -168,10 +168,7 @@ def test_a_compiled_class_subclassed_elsewhere_allows_it() -> None:
                     continue
                 module, parent = compiled_classes[name]
                 marks = _marks(parent)
-                if not marks & {
-                    "mypyc_attr(allow_interpreted_subclasses=True)",
-                    "mypyc_attr(native_class=False)",
-                }:
+                if not marks & ALLOWS_SUBCLASSES:
                     wrong.append(f"{module}.{name} (subclassed in {path.relative_to(ROOT)})")
     assert not wrong, "mark these @mypyc_attr(allow_interpreted_subclasses=True): " + ", ".join(wrong)
 
