@@ -110,7 +110,7 @@ def test_the_manifest_is_the_sources_hashes(tmp_path: Path, monkeypatch: pytest.
     assert compiled.manifest_state() == "absent"
     compiled.write_manifest()
     assert compiled.manifest_state() == "fresh"
-    (tmp_path / "manifest.json").write_text('{"modules": {"proxy.core.sse": "0"}}')
+    (tmp_path / "manifest.json").write_text('{"sources": {"core/sse.py": "0"}}')
     assert compiled.manifest_state() == "stale"
 
 
@@ -128,8 +128,7 @@ def _marks(node: ast.ClassDef) -> set[str]:
 
 def test_a_compiled_class_with_a_base_that_is_not_compiled_is_a_plain_class() -> None:
     """A native class laid out over a Python base crashed the interpreter (logging's handler, in a
-    first build: mypyc/mypyc#1200 is that class of bug); such a class is compiled as a plain
-    Python class (its methods still compiled)."""
+    first build); such a class is compiled as a plain Python class (its methods still compiled)."""
     plain = "mypyc_attr(native_class=False)"
     # A native class cannot have a plain one as its base either.
     own = {node.name for _, node in _classes() if plain not in _marks(node)}

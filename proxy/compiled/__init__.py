@@ -83,13 +83,13 @@ def _hashes() -> dict[str, str]:
 
 
 def write_manifest() -> None:
-    MANIFEST.write_text(json.dumps({"modules": _hashes()}, indent=1, sort_keys=True) + "\n")
+    MANIFEST.write_text(json.dumps({"sources": _hashes()}, indent=1, sort_keys=True) + "\n")
 
 
 def manifest_state() -> str:
     """The build against the package's sources: "fresh" (it matches every one), "stale" or "absent"."""
     try:
-        recorded = json.loads(MANIFEST.read_text())["modules"]
+        recorded = json.loads(MANIFEST.read_text())["sources"]
     except (OSError, ValueError, KeyError, TypeError):
         return "absent"
     return "fresh" if recorded == _hashes() else "stale"
@@ -113,7 +113,7 @@ class _Sources(importlib.abc.MetaPathFinder):
 
 
 COMPILED = "compiled (mypyc)"
-# What this process runs, for the startup log and `infertap doctor`: set by install().
+# What this process runs, for the startup log and `infertap bench`'s machine line: set by install().
 state = "python"
 
 
