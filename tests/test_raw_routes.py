@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from uvicorn.protocols.http import httptools_impl
 
 from proxy.app import create_app
+from proxy.server.raw_cycle import framed
 from proxy.settings import AuthSettings
 from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import CHAT, RecordingObserver, make_settings, serve_in_thread, wait_until
@@ -338,3 +339,11 @@ def test_the_answers_head_is_refused_exactly_where_uvicorn_refuses_a_header(
         assert bad, e
     else:
         assert not bad
+
+
+@given(st.integers(min_value=1, max_value=70_000))
+def test_a_chunk_is_framed_with_its_size_in_hex_on_both_sides_of_the_table(size: int) -> None:
+    # framed() takes the size line from a table below 4096 bytes and formats it above: both give
+    # the framing that `%x` formatting gave.
+    body = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    assert framed(body) == b"%x\r\n%b\r\n" % (size, body)

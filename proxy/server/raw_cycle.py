@@ -25,7 +25,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from itertools import chain
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
@@ -39,6 +39,16 @@ RawHeaders = Iterable[tuple[bytes, bytes]]
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
+# The chunk-size lines (hex and CRLF) of the sizes a streamed event has. `%x` is formatted by the
+# interpreter's generic `%` (about 900 instructions a chunk); a row of this table and a `%b`-only
+# format, which mypyc compiles to one allocation and its copies, cost a tenth of it.
+_SIZE_LINES: Final[tuple[bytes, ...]] = tuple(b"%x\r\n" % n for n in range(4096))
+
+
+def framed(body: bytes) -> bytes:
+    """`body` framed as one chunk of a chunked body."""
+    n = len(body)
+    return b"%b%b\r\n" % (_SIZE_LINES[n] if n < 4096 else b"%x\r\n" % n, body)
 
 
 class RawCycle:
@@ -260,7 +270,7 @@ class RawCycle:
         if self.chunked and self._head is None and body:
             # A stream's event after its first (the head gone): write's chunked case, written out,
             # as this runs once per upstream read.
-            self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+            self.transport.write(framed(body))
             return
         self.write(body, True)
 
@@ -285,7 +295,7 @@ class RawCycle:
             data = b""
         elif self.chunked:
             if body:
-                data = (b"%x\r\n%b\r\n" if more_body else b"%x\r\n%b\r\n0\r\n\r\n") % (len(body), body)
+                data = framed(body) if more_body else framed(body) + _LAST_CHUNK
             else:
                 data = b"" if more_body else _LAST_CHUNK
         else:

@@ -171,13 +171,14 @@ async def relay_piped(sink: Sink, resp: Piped, ex: Exchange, obs: ObserverSet, s
     piped_streams += 1
     perf = time.perf_counter
     facts = scanner.facts
-    feed = scanner.feed
     push = sink.push
     if facts.answered and ex.first_answer_at is None:
         ex.first_answer_at = ex.last_token_at
 
     def on_data(data: bytes) -> None:
-        out, outputs = feed(data)
+        # scanner.feed called as a method, not through a bound method kept aside: compiled, that is
+        # a native call, and its (bytes, int) is not boxed into a tuple.
+        out, outputs = scanner.feed(data)
         if not out:
             return
         push(out)
