@@ -321,8 +321,9 @@ _HEADER_BYTES = st.binary(max_size=6) | st.sampled_from(
 def test_the_answers_head_is_refused_exactly_where_uvicorn_refuses_a_header(
     headers: list[tuple[bytes, bytes]],
 ) -> None:
-    """RawCycle.start checks all the names in one search and all the values in another: it refuses
-    a head exactly when uvicorn's check, header by header, refuses one of them."""
+    """RawCycle.start checks each byte against its tables (compiled) or all the names in one search
+    and all the values in another (as Python): either way it refuses a head exactly when uvicorn's
+    check, header by header, refuses one of them."""
     from proxy.server.raw_cycle import RawCycle
 
     bad = any(
@@ -347,3 +348,13 @@ def test_a_chunk_is_framed_with_its_size_in_hex_on_both_sides_of_the_table(size:
     # the framing that `%x` formatting gave.
     body = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
     assert framed(body) == b"%x\r\n%b\r\n" % (size, body)
+
+
+@settings(max_examples=500)
+@given(st.binary(max_size=40))
+def test_the_byte_tables_refuse_what_uvicorns_patterns_find(data: bytes) -> None:
+    # The compiled build's check (the tables) against uvicorn's patterns, whichever build runs.
+    from proxy.server.raw_cycle import _BAD_NAME, _BAD_VALUE, _any_of
+
+    assert _any_of(data, _BAD_NAME) == (httptools_impl.HEADER_RE.search(data) is not None)
+    assert _any_of(data, _BAD_VALUE) == (httptools_impl.HEADER_VALUE_RE.search(data) is not None)

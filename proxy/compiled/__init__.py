@@ -31,9 +31,9 @@ GROUP = "proxy.native"
 # The request's and the stream's way through infertap (docs/architecture.md): the raw cycle,
 # dispatch, the forwarder, the httptools client, the SSE scanner and the per-request observers.
 # Not here: the edge (edge.py, raw_routes.py: compiled, it counted no fewer instructions, and
-# tests/test_edge.py reads its methods' signatures, which a compiled method has none of); a class
-# that mypyc cannot build (h1_headers.py); whatever runs once (settings, the app). mypyc compiles no
-# async generator: these modules' async iterators are classes.
+# tests/test_edge.py reads its methods' signatures, which a compiled method has none of); whatever
+# runs once (settings, the app). mypyc compiles no async generator: these modules' async iterators
+# are classes.
 MODULES = (
     "proxy.control.dispatch",
     "proxy.core.asgi",
@@ -63,6 +63,7 @@ MODULES = (
     "proxy.server.raw_cycle",
     "proxy.transport.h1_client",
     "proxy.transport.h1_connection",
+    "proxy.transport.h1_headers",
     "proxy.transport.h1_response",
     "proxy.transport.slots",
 )

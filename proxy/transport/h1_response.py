@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Protocol
+from typing import Protocol, cast
 
 from proxy.core.errors import UpstreamError
 from proxy.transport.h1_headers import Headers
@@ -68,7 +68,7 @@ class H1Response:
     def headers(self) -> Mapping[str, str]:
         if self._headers is None:
             self._headers = Headers(self.raw_headers)
-        return self._headers
+        return cast(Mapping[str, str], self._headers)  # a registered Mapping (h1_headers.py)
 
     # -- fed by the connection's protocol callbacks ----------------------------------------------
     def take(self, bodies: list[bytes]) -> None:
