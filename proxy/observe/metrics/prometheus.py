@@ -11,7 +11,7 @@ import os
 import time
 from collections.abc import Collection, Iterator
 from importlib.metadata import version
-from typing import Any
+from typing import Any, Final
 
 from mypy_extensions import mypyc_attr
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, values
@@ -67,13 +67,38 @@ AT_ONCE = direct_works(Histogram, Counter, Gauge, values, Exemplar)
 IN_MEMORY = values.ValueClass is values.MutexValue
 UNLOCKED_WORKS = IN_MEMORY and direct_works(Histogram, Counter, Gauge, values, Exemplar, UNLOCKED)
 COUNTING = UNLOCKED if UNLOCKED_WORKS else DIRECT if AT_ONCE else METHODS
-inc, dec, observe, observe_many, observe_all, observe_exemplar = COUNTING
+# Final: compiled, each is read from a static, not looked up in the module's dict (about fifteen a request).
+inc: Final = COUNTING.inc
+dec: Final = COUNTING.dec
+observe: Final = COUNTING.observe
+observe_many: Final = COUNTING.observe_many
+observe_all: Final = COUNTING.observe_all
+observe_exemplar: Final = COUNTING.observe_exemplar
 if not AT_ONCE:
     logging.getLogger("infertap.metrics").warning(
         "prometheus_client %s: every observation takes its own methods, and a burst of output "
         "events is observed one by one (slower)",
         version("prometheus_client"),
     )
+
+
+# `ended`'s children of one combination of a request's labels (route, model, the upstream it was
+# routed to and the one that answered, stream, outcome, client), kept in a list by these indexes: one
+# lookup of the combination, where each child was a lookup of its own (about ten a request, a
+# twentieth of a small request's own work). The combinations a process meets are few; should a
+# long-lived one meet more than MAX_ENDED_KEYS, the lists start again (the children stay in _c's cache).
+_IN_FLIGHT: Final = 0
+_REQUESTS: Final = 1
+_ATTEMPTS: Final = 2
+_DURATION: Final = 3
+_TPOT: Final = 4
+_TTFT_ANSWER: Final = 5
+_PROMPT_TOKENS: Final = 6
+_REQ_PROMPT_TOKENS: Final = 7
+_COMPLETION_TOKENS: Final = 8
+_REQ_COMPLETION_TOKENS: Final = 9
+_ENDED_SLOTS: Final = 10
+MAX_ENDED_KEYS: Final = 4096
 
 
 def _default_model_patterns(settings: Settings) -> list[str] | None:
@@ -102,6 +127,7 @@ class Metrics(Observer):
         # Across workers: the cap is the instance's, not each process's.
         self.model_label = ModelLabels(_default_model_patterns(settings), m.max_models, multiprocess_dir())
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+        self._ended: dict[tuple[str, ...], list[Any]] = {}
         r = self.registry
         self.requests = Counter(
             "infertap_requests_total",
@@ -389,18 +415,37 @@ class Metrics(Observer):
         upstream = ex.upstream or NONE
         outcome = ex.outcome._value_ if ex.outcome is not None else NONE  # not the slower `value`
         stream = "true" if ex.stream else "false"
-        dec(self._c(self.in_flight, routed))
+        route = ex.route
+        client = ex.client
+        # The children this request counts into, found by one lookup of its labels (see _Ended);
+        # each is asked of _c the first time that combination needs it, as before, so the same
+        # series appear, no more.
+        key = (route, model, routed, upstream, stream, outcome, client)
+        kids = self._ended.get(key)
+        if kids is None:
+            if len(self._ended) >= MAX_ENDED_KEYS:
+                self._ended.clear()
+            kids = self._ended[key] = [None] * _ENDED_SLOTS
+        c = kids[_IN_FLIGHT]
+        if c is None:
+            c = kids[_IN_FLIGHT] = self._c(self.in_flight, routed)
+        dec(c)
         if self.overhead_on:
             intake = ex.intake_overhead
             if intake is not None:
                 observe(self._intake, intake)
-        client = ex.client
-        inc(self._c(self.requests, ex.route, model, upstream, stream, outcome, client))
+        c = kids[_REQUESTS]
+        if c is None:
+            c = kids[_REQUESTS] = self._c(self.requests, route, model, upstream, stream, outcome, client)
+        inc(c)
         if ex.replica is not None:
             self.pools.ended(ex, outcome)
         if ex.attempts:
-            result = "cancelled" if outcome == _CLIENT_DISCONNECT else outcome
-            inc(self._c(self.attempts, upstream, result))
+            c = kids[_ATTEMPTS]
+            if c is None:
+                result = "cancelled" if outcome == _CLIENT_DISCONNECT else outcome
+                c = kids[_ATTEMPTS] = self._c(self.attempts, upstream, result)
+            inc(c)
         phase = TIMEOUT_PHASES.get(outcome)
         if phase is not None:
             inc(self._c(self.timeouts, upstream, phase))
@@ -408,28 +453,49 @@ class Metrics(Observer):
             return
         duration = ex.duration
         if duration is not None:
-            self._observe_traced(self._c(self.duration, ex.route, model, upstream, stream), duration, ex)
+            c = kids[_DURATION]
+            if c is None:
+                c = kids[_DURATION] = self._c(self.duration, route, model, upstream, stream)
+            self._observe_traced(c, duration, ex)
         if outcome != _OK:
             return
         tpot = ex.tpot
         if tpot is not None:
-            observe(self._c(self.tpot, model, upstream), tpot)
+            c = kids[_TPOT]
+            if c is None:
+                c = kids[_TPOT] = self._c(self.tpot, model, upstream)
+            observe(c, tpot)
         ttft_answer = ex.ttft_answer
         if ttft_answer is not None:
-            observe(self._c(self.ttft_answer, model, upstream), ttft_answer)
+            c = kids[_TTFT_ANSWER]
+            if c is None:
+                c = kids[_TTFT_ANSWER] = self._c(self.ttft_answer, model, upstream)
+            observe(c, ttft_answer)
         if self.spend_on:
             self._spend(ex, model, upstream, client)
         prompt = ex.prompt_tokens if ex.prompt_tokens is not None else ex.estimated_prompt_tokens
         if prompt:
-            inc(self._c(self.prompt_tokens, model, upstream, client), prompt)
-            observe(self._c(self.req_prompt_tokens, model, upstream), prompt)
+            c = kids[_PROMPT_TOKENS]
+            if c is None:
+                c = kids[_PROMPT_TOKENS] = self._c(self.prompt_tokens, model, upstream, client)
+            inc(c, prompt)
+            c = kids[_REQ_PROMPT_TOKENS]
+            if c is None:
+                c = kids[_REQ_PROMPT_TOKENS] = self._c(self.req_prompt_tokens, model, upstream)
+            observe(c, prompt)
         if ex.cached_tokens is not None:  # 0 too: the upstream reports them
             inc(self._c(self.cached_tokens, model, upstream, client), ex.cached_tokens)
-        if not route_of(ex.route).generation:
+        if not route_of(route).generation:
             return
         completion = ex.output_tokens
-        inc(self._c(self.completion_tokens, model, upstream, client), completion)
-        observe(self._c(self.req_completion_tokens, model, upstream), completion)
+        c = kids[_COMPLETION_TOKENS]
+        if c is None:
+            c = kids[_COMPLETION_TOKENS] = self._c(self.completion_tokens, model, upstream, client)
+        inc(c, completion)
+        c = kids[_REQ_COMPLETION_TOKENS]
+        if c is None:
+            c = kids[_REQ_COMPLETION_TOKENS] = self._c(self.req_completion_tokens, model, upstream)
+        observe(c, completion)
         if ex.reasoning_tokens is not None:
             inc(self._c(self.reasoning_tokens, model, upstream, client), ex.reasoning_tokens)
         if ex.completion_tokens is None:
