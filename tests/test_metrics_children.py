@@ -51,7 +51,8 @@ _request = st.fixed_dictionaries(
 def end(metrics: Metrics, r: dict[str, object]) -> None:
     route = str(r["route"])
     model = r["model"] if isinstance(r["model"], str) else None
-    ex = Exchange("r", route, "POST", f"/v1/{route}", received_at=100.0, model=model, upstream=str(r["routed"]))
+    routed = str(r["routed"])
+    ex = Exchange("r", route, "POST", f"/v1/{route}", received_at=100.0, model=model, upstream=routed)
     metrics.request_received(ex)
     ex.upstream = r["upstream"] if isinstance(r["upstream"], str) else None
     ex.stream = bool(r["stream"])
