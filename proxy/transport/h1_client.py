@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import Mapping
+from typing import Final
 from urllib.parse import urlsplit
 
 from proxy.core.errors import ErrorKind, UpstreamError
@@ -27,9 +28,10 @@ from proxy.transport.h1_response import H1Response
 from proxy.transport.slots import Slots
 from proxy.transport.tunnel import Proxy, env_proxy, open_tunnel
 
-# Framing is the client's to state, never the caller's.
-_OWN = frozenset(("content-length", "transfer-encoding", "connection"))
-_BODY_METHODS = frozenset(("POST", "PUT", "PATCH"))
+# Framing is the client's to state, never the caller's. (Final: compiled, read from a static, not
+# looked up in the module's dict once a header.)
+_OWN: Final = frozenset(("content-length", "transfer-encoding", "connection"))
+_BODY_METHODS: Final = frozenset(("POST", "PUT", "PATCH"))
 
 
 class Origin:
