@@ -236,3 +236,11 @@ def test_runs_of_one_shape_agree_with_the_patterns(stream: tuple[bytes, list[int
     fast, slow = Judged(strip_usage_only=strip), PatternsOnly(strip_usage_only=strip)
     assert _run(fast, body, cuts) == _run(slow, body, cuts)
     assert asdict(fast.facts) == asdict(slow.facts)
+
+
+@given(st.binary(max_size=30), st.integers(min_value=0, max_value=30))
+def test_the_text_loop_ends_where_the_text_pattern_does(data: bytes, start: int) -> None:
+    # Compiled, _text_end is a byte loop; as Python, the pattern itself: the loop must agree.
+    start = min(start, len(data))
+    m = sse._TEXT_RUN.match(data, start)
+    assert m is not None and sse._text_end(data, start) == m.end()
