@@ -193,7 +193,12 @@ class SSEScanner:
             # _shaped's test written out (a frame is a sixth of this path's cost; change both).
             several = False
             if chunk.startswith(self._shape_head):
-                q = _text_end(chunk, h)
+                if _COMPILED:
+                    q = _text_end(chunk, h)
+                else:  # _text_end's pattern, without its frame (this runs once a token)
+                    m = _TEXT_RUN.match(chunk, h)
+                    assert m is not None  # (a `*` pattern always matches)
+                    q = m.end()
                 if q > h:
                     tail = self._shape_tail
                     if len(chunk) - q == len(tail) and chunk.endswith(tail):
@@ -366,8 +371,12 @@ class SSEScanner:
                     tail = self._shape_tail
                     t = len(tail)
                     run = 0
+                    match = _TEXT_RUN.match
                     while chunk[start : start + h] == head:
-                        q = _text_end(chunk, start + h)
+                        if _COMPILED:
+                            q = _text_end(chunk, start + h)
+                        else:  # as in feed
+                            q = match(chunk, start + h).end()  # type: ignore[union-attr]  # `*`: always
                         if q == start + h or chunk[q : q + t] != tail:
                             break
                         start = q + t

@@ -48,7 +48,7 @@ _SIZE_LINES: Final[tuple[bytes, ...]] = tuple(b"%x\r\n" % n for n in range(4096)
 
 # Whether this module runs compiled (proxy/compiled/): there a loop over a header's bytes costs a
 # fifth of uvicorn's pattern search (the call alone is ~2,000 instructions); as Python, five times it.
-_BYTE_LOOPS: Final = not __file__.endswith(".py")
+_COMPILED: Final = not __file__.endswith(".py")
 # The bytes uvicorn's patterns refuse in a header's name and in its value (one byte each), as tables.
 _BAD_NAME: Final = bytes(HEADER_RE.fullmatch(bytes([c])) is not None for c in range(256))
 _BAD_VALUE: Final = bytes(HEADER_VALUE_RE.fullmatch(bytes([c])) is not None for c in range(256))
@@ -268,7 +268,7 @@ class RawCycle:
         # uvicorn's checks: compiled, each byte looked up in their patterns' tables; as Python, a
         # search over all the names and one over all the values (tab-separated: a value may hold a
         # tab, and no name may), two calls, not two a header.
-        if _BYTE_LOOPS:
+        if _COMPILED:
             for name in names:
                 if _any_of(name, _BAD_NAME):
                     raise RuntimeError("Invalid HTTP header name.")
@@ -299,7 +299,8 @@ class RawCycle:
         if self.chunked and self._head is None and body:
             # A stream's event after its first (the head gone): write's chunked case, written out,
             # as this runs once per upstream read.
-            self.transport.write(framed(body))
+            # framed() where compiled; as Python, its `%x` format without the call (once a token).
+            self.transport.write(framed(body) if _COMPILED else b"%x\r\n%b\r\n" % (len(body), body))
             return
         self.write(body, True)
 

@@ -26,9 +26,8 @@ _COMPILED: Final = not __file__.endswith(".py")
 
 
 def _bucket(bounds: list[float], value: float, lo: int = 0) -> int:
-    """bisect_left(bounds, value, lo): the first bound at or above `value`, from `lo` on."""
-    if not _COMPILED:
-        return bisect_left(bounds, value, lo)
+    """bisect_left(bounds, value, lo): the first bound at or above `value`, from `lo` on (as
+    Python, bisect_left itself: see the end of the module)."""
     hi = len(bounds)
     while lo < hi:
         mid = (lo + hi) // 2
@@ -237,3 +236,8 @@ def direct_works(
         return True
     except Exception:
         return False
+
+
+if not _COMPILED:
+    # As Python, the C bisection is the faster, and a frame around it would cost every observation.
+    _bucket = bisect_left  # type: ignore[assignment]
