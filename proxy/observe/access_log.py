@@ -115,8 +115,8 @@ def access_record(ex: Exchange) -> dict[str, Any]:
     outcome = ex.outcome
     route = ex.route
     cost = ex.cost
-    # Filled into a copy of the fields' template: a copy and a store a field cost half of building
-    # a dict of 27 entries (each hashed and inserted anew).
+    # Filled into a copy of the fields' template, where a dict display inserted each of the 26 keys
+    # anew: 12.7k -> 11.5k instructions for the record.
     record = _TEMPLATE.copy()
     record["ts"] = _utc_second(second) + _MILLIS[ns // 1_000_000]
     record["request_id"] = ex.request_id

@@ -84,8 +84,8 @@ if not AT_ONCE:
 
 # `ended`'s children of one combination of a request's labels (route, model, the upstream it was
 # routed to and the one that answered, stream, outcome, client), kept in a list by these indexes: one
-# lookup of the combination, where each child was a lookup of its own (about ten a request, a
-# twentieth of a small request's own work). The combinations a process meets are few; should a
+# lookup of the combination, where each child was a lookup of its own (about ten a request, ~1k
+# instructions each). The combinations a process meets are few; should a
 # long-lived one meet more than MAX_ENDED_KEYS, the lists start again (the children stay in _c's cache).
 _IN_FLIGHT: Final = 0
 _REQUESTS: Final = 1
@@ -417,9 +417,9 @@ class Metrics(Observer):
         stream = "true" if ex.stream else "false"
         route = ex.route
         client = ex.client
-        # The children this request counts into, found by one lookup of its labels (see _Ended);
-        # each is asked of _c the first time that combination needs it, as before, so the same
-        # series appear, no more.
+        # The children this request counts into, found by one lookup of its labels (the indexes
+        # above); each is asked of _c the first time that combination needs it, as before, so the
+        # same series appear, no more.
         key = (route, model, routed, upstream, stream, outcome, client)
         kids = self._ended.get(key)
         if kids is None:
