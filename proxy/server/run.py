@@ -23,7 +23,8 @@ log = logging.getLogger("infertap")
 
 def run(settings: Settings, argv: list[str] | None = None) -> None:
     s = settings.server
-    # Which hot path runs (proxy/compiled/): compiled, infertap's own work is a third to a half less.
+    # Which hot path runs (proxy/compiled/): compiled, infertap's own work is two fifths (a request)
+    # to three quarters (a paced stream) less (docs/benchmarks.md).
     log.info("hot path: %s", compiled.state)
     common: dict[str, Any] = dict(
         host=s.host,
