@@ -18,6 +18,8 @@ from proxy import compiled
 from proxy.core.exchange import Exchange
 from proxy.core.forward.attempts import Call, Ready
 from proxy.core.stream_facts import StreamFacts
+from proxy.observe.tracing.record import SpanRecord
+from proxy.observe.tracing.spans import _State
 
 ROOT = Path(__file__).resolve().parents[1]
 built = any(compiled._built(name) for name in compiled.MODULES) and compiled.manifest_state() == "fresh"
@@ -194,6 +196,8 @@ WRITTEN_INITS = {
     "proxy.core.stream_facts.StreamFacts": StreamFacts,
     "proxy.core.forward.attempts.Call": Call,
     "proxy.core.forward.attempts.Ready": Ready,
+    "proxy.observe.tracing.record.SpanRecord": SpanRecord,
+    "proxy.observe.tracing.spans._State": _State,
 }
 
 

@@ -20,6 +20,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from proxy.core.asgi import Receive, Scope, Send
 from proxy.core.exchange import Exchange, Outcome
+from proxy.core.hooks import ObserverSet
 from proxy.observe.tracing import TracingObserver, build_tracing, export_config
 from proxy.settings import ConfigError, TracingSettings
 from proxy.tools.fake_upstream import FakeUpstream
@@ -648,3 +649,29 @@ def test_serve_exports_to_otlp_http_from_the_standard_env(
     assert server.name == "chat fake-model" and server.attributes["infertap.outcome"] == "ok"
     assert server.attributes["gen_ai.usage.output_tokens"] == 5
     assert _hexes(upstream.requests[-1].headers["traceparent"])[:2] == (TRACE, client.span.span_id.hex())
+
+
+def test_the_tracing_observer_takes_a_python_subclass() -> None:
+    """Compiled, TracingObserver is a native class: open to subclasses that are not, as a user's
+    observer built on it would be, its hooks reached through the subclass's overrides."""
+
+    class Counting(TracingObserver):
+        name = "counting"
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.ended_calls = 0
+
+        def ended(self, ex: Exchange) -> None:
+            self.ended_calls += 1
+            super().ended(ex)
+
+    exporter = InMemorySpanExporter()
+    observer = Counting(TracingSettings(), processor=SimpleSpanProcessor(exporter))
+    ex = Exchange("sub-1", "chat.completions", "POST", "/v1/chat/completions", model="m")
+    ObserverSet([observer]).request_received(ex)
+    ex.finished_at, ex.outcome = ex.received_at + 0.25, Outcome.OK
+    ObserverSet([observer]).ended(ex)
+    assert observer.ended_calls == 1
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "chat m" and _attrs(span)["infertap.request_id"] == "sub-1"

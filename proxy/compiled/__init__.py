@@ -58,6 +58,8 @@ MODULES = (
     "proxy.observe.metrics.fast",
     "proxy.observe.metrics.labels",
     "proxy.observe.metrics.prometheus",
+    "proxy.observe.tracing.record",
+    "proxy.observe.tracing.spans",
     "proxy.observe.ui.observer",
     "proxy.observe.upstream_stats",
     "proxy.server.raw_cycle",

@@ -173,6 +173,13 @@ def _observe_all_unlocked(child: Any, values: list[float]) -> None:
     child._sum._value += sum(values)
 
 
+def _observe_exemplar_unlocked(child: Any, value: float, exemplar: Any) -> None:
+    child._sum._value += value
+    bucket = child._buckets[_bucket(child._upper_bounds, value)]
+    bucket._value += 1
+    bucket._exemplar = exemplar
+
+
 DIRECT = Counting(_inc, _dec, _observe, _observe_many_at_once, _observe_all_at_once, _observe_exemplar)
 UNLOCKED = Counting(
     _inc_unlocked,
@@ -180,7 +187,7 @@ UNLOCKED = Counting(
     _observe_unlocked,
     _observe_many_unlocked,
     _observe_all_unlocked,
-    _observe_exemplar,
+    _observe_exemplar_unlocked,
 )
 METHODS = Counting(
     _inc_method, _dec_method, _observe_method, _observe_each, _observe_all_each, _observe_exemplar_method

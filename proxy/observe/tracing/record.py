@@ -4,8 +4,9 @@ the SDK's `ReadableSpan` once, when it ends, and handed to the span processor.
 Why not the SDK's own `Span`: it cleans and copies every attribute under a lock as it is set
 (`BoundedAttributes`), and a request's two spans carry about forty. That was most of tracing's
 cost on the event loop: the SDK alone takes about 65 µs per request to make infertap's two spans
-(scripts/perf/otel_floor.py), the observer with these records about 24 µs for all its hooks
-(docs/benchmarks.md, "Tracing: spans made once, at their end"). infertap's
+(scripts/perf/otel_floor.py), the observer with these records about 24 µs for all its hooks as
+Python, 17.5 µs compiled (docs/benchmarks.md, "Tracing: spans made once, at their end" and
+"Tracing compiled"). infertap's
 attribute values come from typed fields (str, int, float, bool, a tuple of str), which the
 cleaning leaves as they are.
 
@@ -23,12 +24,13 @@ from __future__ import annotations
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from time import time_ns
+from typing import Final
 
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.sampling import Decision
+from opentelemetry.sdk.trace.sampling import Decision, ParentBased, StaticSampler, TraceIdRatioBased
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
@@ -41,12 +43,22 @@ UNSET = Status(StatusCode.UNSET)
 OK = Status(StatusCode.OK)
 # W3C Trace Context level 2's random-trace-id flag (opentelemetry-api 1.39 on): 0 before it.
 _RANDOM = int(getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
+_TRACE_ID_LIMIT: Final[int] = TraceIdRatioBased.TRACE_ID_LIMIT
 # A span's flags by (sampled, random trace id), made once.
 _FLAGS = {
     (sampled, random): TraceFlags((TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT) | random)
     for sampled in (False, True)
     for random in {0, _RANDOM}
 }
+# A flags byte as traceparent writes it (two hex digits).
+_FLAGS_HEX: Final = tuple(f"{i:02x}" for i in range(256))
+
+
+def hex_id(n: int, size: int) -> str:
+    """An id as W3C Trace Context writes it: `size` bytes, two lowercase hex digits each (what
+    `f"{n:0{2 * size}x}"` writes for an id that fits, at a third of its cost compiled: the format
+    spec is parsed on every call, ~3,000 instructions, three ids a request)."""
+    return n.to_bytes(size, "big").hex()
 
 
 @dataclass(slots=True)
@@ -66,6 +78,33 @@ class SpanRecord:
     status: Status = UNSET
     # (max attributes, max value length) of an event where the span limits could cut one
     event_limits: tuple[int | None, int | None] | None = None
+
+    # Written out, where dataclass would generate it: compiled (proxy/compiled/), a tenth of the
+    # generated one's cost, which runs as Python (two spans a request). tests/test_compiled.py
+    # holds it to the fields.
+    def __init__(
+        self,
+        name: str,
+        context: SpanContext,
+        parent: SpanContext | None,
+        kind: SpanKind,
+        start: int,
+        recording: bool,
+        attributes: MutableMapping[str, AttributeValue],
+        events: list[Event] | BoundedList[Event] | None = None,
+        status: Status = UNSET,
+        event_limits: tuple[int | None, int | None] | None = None,
+    ) -> None:
+        self.name = name
+        self.context = context
+        self.parent = parent
+        self.kind = kind
+        self.start = start
+        self.recording = recording
+        self.attributes = attributes
+        self.events = [] if events is None else events
+        self.status = status
+        self.event_limits = event_limits
 
     def set_attributes(self, attributes: Mapping[str, AttributeValue]) -> None:
         """As the SDK's span sets them: a key set again moves to the end (which a count limit cuts
@@ -103,7 +142,7 @@ class SpanRecord:
         """W3C `traceparent` and `tracestate` ("" when empty) for a request made inside this span:
         what TraceContextTextMapPropagator.inject writes for it."""
         ctx = self.context
-        tp = f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"
+        tp = f"00-{hex_id(ctx.trace_id, 16)}-{hex_id(ctx.span_id, 8)}-{_FLAGS_HEX[ctx.trace_flags]}"
         return tp, ctx.trace_state.to_header() if ctx.trace_state else ""
 
 
@@ -146,6 +185,18 @@ class SpanRecorder:
             and _at_least(limits.max_events, 128)
         )
         self._event_limits = (limits.max_event_attributes, limits.max_attribute_length)
+        # A root span's decision, where the sampler is a ParentBased whose root delegate decides by
+        # the trace id alone (infertap's own: a ratio; or always on, or always off): its answer
+        # without the call through ParentBased (which reads the current context, where infertap
+        # never puts a span). (bound, decision at or above it); None: the sampler is asked.
+        self._root: tuple[int, Decision] | None = None
+        root = getattr(self._sampler, "_root", None) if type(self._sampler) is ParentBased else None
+        if children_follow_parent and type(root) is TraceIdRatioBased:
+            self._root = (root.bound, Decision.DROP)
+        elif children_follow_parent and type(root) is StaticSampler:
+            decision = root._decision  # what its should_sample answers, always
+            if decision is not Decision.RECORD_ONLY:
+                self._root = (0, decision)
 
     def start(
         self,
@@ -160,9 +211,19 @@ class SpanRecorder:
         holding it, where the caller has one (an extracted `traceparent`)."""
         if parent is not None and not parent.is_valid:
             parent = None
+        kept: Mapping[str, AttributeValue] | None
+        state: TraceState | None
         if parent is None:
             trace_id = self._ids.generate_trace_id()
             random = self._random
+            rule = self._root
+            if rule is not None:
+                # TraceIdRatioBased's test (and StaticSampler's constant): sampled below the bound.
+                bound, above = rule
+                sampled = trace_id & _TRACE_ID_LIMIT < bound
+                decision = Decision.RECORD_AND_SAMPLE if sampled else above
+                kept = attributes if decision is not Decision.DROP else None
+                return self._made(name, kind, start, parent, trace_id, random, decision, kept, None)
         else:
             trace_id = parent.trace_id
             random = parent.trace_flags & _RANDOM
@@ -170,14 +231,13 @@ class SpanRecorder:
                 # What ParentBased's ALWAYS_ON / ALWAYS_OFF delegates answer (StaticSampler).
                 sampled = parent.trace_flags.sampled
                 decision = Decision.RECORD_AND_SAMPLE if sampled else Decision.DROP
-                span: tuple[Decision, Mapping[str, AttributeValue] | None, TraceState | None]
-                span = (decision, attributes, parent.trace_state)
-                return self._made(name, kind, start, parent, trace_id, random, *span)
+                state = parent.trace_state
+                return self._made(name, kind, start, parent, trace_id, random, decision, attributes, state)
             if parent_context is None:
                 parent_context = trace.set_span_in_context(NonRecordingSpan(parent))
         result = self._sampler.should_sample(parent_context, trace_id, name, kind, attributes, ())
-        span = (result.decision, result.attributes, result.trace_state)
-        return self._made(name, kind, start, parent, trace_id, random, *span)
+        decision, kept, state = result.decision, result.attributes, result.trace_state
+        return self._made(name, kind, start, parent, trace_id, random, decision, kept, state)
 
     def _made(
         self,

@@ -34,12 +34,13 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
+from mypy_extensions import mypyc_attr
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import Sampler
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from proxy import __version__
@@ -49,7 +50,7 @@ from proxy.core.hooks import Observer
 from proxy.core.route_table import route_of
 from proxy.observe.tracing.export import default_sampler, service_resource
 from proxy.observe.tracing.genai_content import Budget, input_messages
-from proxy.observe.tracing.record import Attrs, SpanRecord, SpanRecorder
+from proxy.observe.tracing.record import Attrs, SpanRecord, SpanRecorder, hex_id
 from proxy.settings import TracingSettings
 
 log = logging.getLogger("infertap.tracing")
@@ -67,6 +68,15 @@ class _State:
     name: str
     request: Attrs
     attempt: SpanRecord | None = None
+
+    # Written out, as SpanRecord's is (the generated one runs as Python).
+    def __init__(
+        self, server: SpanRecord, name: str, request: Attrs, attempt: SpanRecord | None = None
+    ) -> None:
+        self.server = server
+        self.name = name
+        self.request = request
+        self.attempt = attempt
 
 
 def _wall(ex: Exchange, t: float) -> int:
@@ -117,7 +127,12 @@ def _server(upstream_url: str) -> tuple[str, int] | None:
 
 
 def _response_attrs(ex: Exchange) -> Attrs:
-    attrs: Attrs = {"infertap.outcome": str(ex.outcome), "infertap.attempts": ex.attempts}
+    # An enum's `_value_`, its str() without Enum.__str__'s call (the same string).
+    outcome: Outcome | None = ex.outcome
+    attrs: Attrs = {
+        "infertap.outcome": "None" if outcome is None else outcome._value_,
+        "infertap.attempts": ex.attempts,
+    }
     attrs["infertap.retries"] = ex.retries
     if ex.replica is not None:
         attrs["infertap.replica"] = ex.replica  # a pool's replica, its address
@@ -133,7 +148,7 @@ def _response_attrs(ex: Exchange) -> Attrs:
         attrs["gen_ai.usage.input_tokens"] = ex.prompt_tokens
     if ex.completion_tokens is not None or ex.output_events:
         attrs["gen_ai.usage.output_tokens"] = ex.output_tokens
-        attrs["infertap.output_tokens_source"] = str(ex.token_source)
+        attrs["infertap.output_tokens_source"] = ex.token_source._value_
     if ex.cached_tokens is not None:
         attrs["gen_ai.usage.cache_read.input_tokens"] = ex.cached_tokens
     if ex.reasoning_tokens is not None:
@@ -141,12 +156,20 @@ def _response_attrs(ex: Exchange) -> Attrs:
     if ex.cost is not None:
         attrs["infertap.cost"] = ex.cost
     # The same Exchange properties the metrics observe.
-    timings = (("ttft_s", ex.ttft), ("ttft_answer_s", ex.ttft_answer), ("tpot_s", ex.tpot))
-    for key, value in (*timings, ("ttfb_s", ex.ttfb)):
-        if value is not None:
-            attrs[f"infertap.{key}"] = value
-    if ex.ttft is not None:
-        attrs["gen_ai.response.time_to_first_chunk"] = ex.ttft
+    ttft = ex.ttft
+    if ttft is not None:
+        attrs["infertap.ttft_s"] = ttft
+    ttft_answer = ex.ttft_answer
+    if ttft_answer is not None:
+        attrs["infertap.ttft_answer_s"] = ttft_answer
+    tpot = ex.tpot
+    if tpot is not None:
+        attrs["infertap.tpot_s"] = tpot
+    ttfb = ex.ttfb
+    if ttfb is not None:
+        attrs["infertap.ttfb_s"] = ttfb
+    if ttft is not None:
+        attrs["gen_ai.response.time_to_first_chunk"] = ttft
     if ex.duration is not None:
         attrs["infertap.duration_s"] = ex.duration
     return attrs
@@ -157,6 +180,8 @@ def _fail(span: SpanRecord, kind: str, message: str | None) -> None:
 
 
 # -- the observer -------------------------------------------------------------------------------
+# Native (proxy/compiled/), and open to subclasses that are not compiled, as the metrics' is.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class TracingObserver(Observer):
     """Spans from observer hooks. Give it an exporter (batched) or a ready span processor."""
 
@@ -200,8 +225,8 @@ class TracingObserver(Observer):
             name, SpanKind.SERVER, server_attrs, ex.started_unix_ns, parent, parent_context
         )
         ctx = span.context
-        if ctx.trace_flags.sampled:
-            ex.trace_id = format(ctx.trace_id, "032x")
+        if ctx.trace_flags & TraceFlags.SAMPLED:
+            ex.trace_id = hex_id(ctx.trace_id, 16)
         ex.scratch[self.name] = _State(span, name, attrs)
         if self.capture_content:
             # One character over the cap, so that cutting the answer shows as truncated.
@@ -262,13 +287,13 @@ class TracingObserver(Observer):
         if st is None:
             return
         end = _wall(ex, ex.finished_at if ex.finished_at is not None else time.perf_counter())
-        outcome = Outcome(ex.outcome) if ex.outcome is not None else Outcome.UPSTREAM_ERROR
+        outcome = ex.outcome if ex.outcome is not None else Outcome.UPSTREAM_ERROR
         attrs = _response_attrs(ex)
         if st.attempt is not None:
             if outcome is Outcome.OK:
                 st.attempt.succeed()
             else:
-                _fail(st.attempt, outcome.value, ex.error_message)
+                _fail(st.attempt, outcome._value_, ex.error_message)
             self._spans.end(st.attempt, end)
         server = st.server
         server.set_attributes(attrs)
@@ -278,7 +303,7 @@ class TracingObserver(Observer):
             server.add_event("first_answer_token", answer, _wall(ex, ex.first_answer_at))
         if self.capture_content:
             server.set_attributes(self._content(ex))
-        phase = timeout_phase(outcome.value)
+        phase = timeout_phase(outcome._value_)
         if phase is not None:
             server.add_event("timeout", {"infertap.timeout.phase": phase}, end)
         elif outcome is Outcome.CLIENT_DISCONNECT:
@@ -293,19 +318,22 @@ class TracingObserver(Observer):
         if outcome is Outcome.OK:
             server.succeed()
         elif outcome not in _CALLER_FAULTS:
-            _fail(server, outcome.value, ex.error_message)
+            _fail(server, outcome._value_, ex.error_message)
         self._spans.end(server, end)
 
     def _content(self, ex: Exchange) -> Attrs:
         """Prompts and completions, only with capture_content."""
         budget, out_budget = Budget(self.content_max_chars), Budget(self.content_max_chars)
         attrs: Attrs = {}
-        request = ex.request_json
+        # By name, as Python reads an attribute: compiled, `ex.request_json` would read the native
+        # Exchange's own field even where a subclass declares the field again as its own (a
+        # dataclass over Exchange does), and miss the value. Once a request, with capture on only.
+        request = getattr(ex, "request_json", None)
         if isinstance(request, dict):
             messages = input_messages(ex.route, request, budget)
             if messages:
                 attrs["gen_ai.input.messages"] = orjson.dumps(messages).decode()
-        text = ex.output_text
+        text = getattr(ex, "output_text", None)
         if isinstance(text, str):
             out: dict[str, Any] = {
                 "role": "assistant",
