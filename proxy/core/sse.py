@@ -78,13 +78,18 @@ _KEY_TEXTS = frozenset({b"finish_reason", b"usage"})
 
 def _text_end(data: bytes, start: int) -> int:
     """Where the text starting at `start` stops being a shape's text: its first quote, backslash,
-    CR or LF, else the end of `data`. Compiled, a byte loop: a few instructions a byte where a
+    CR or LF, else the end of `data`. Compiled, _text_loop: a few instructions a byte where a
     pattern's `match` and `end` calls cost about 2,000 (a token's text is a few bytes, and this
     runs once a token); as Python, the pattern, which is the faster there."""
-    if not _COMPILED:
-        m = _TEXT_RUN.match(data, start)
-        assert m is not None  # (a `*` pattern always matches)
-        return m.end()
+    if _COMPILED:
+        return _text_loop(data, start)
+    m = _TEXT_RUN.match(data, start)
+    assert m is not None  # (a `*` pattern always matches)
+    return m.end()
+
+
+def _text_loop(data: bytes, start: int) -> int:
+    """_text_end as a byte loop (its compiled form; feed's once-a-token paths call it directly)."""
     n = len(data)
     i = start
     while i < n:
@@ -194,7 +199,7 @@ class SSEScanner:
             several = False
             if chunk.startswith(self._shape_head):
                 if _COMPILED:
-                    q = _text_end(chunk, h)
+                    q = _text_loop(chunk, h)
                 else:  # _text_end's pattern, without its frame (this runs once a token)
                     m = _TEXT_RUN.match(chunk, h)
                     assert m is not None  # (a `*` pattern always matches)
@@ -374,7 +379,7 @@ class SSEScanner:
                     match = _TEXT_RUN.match
                     while chunk[start : start + h] == head:
                         if _COMPILED:
-                            q = _text_end(chunk, start + h)
+                            q = _text_loop(chunk, start + h)
                         else:  # as in feed
                             q = match(chunk, start + h).end()  # type: ignore[union-attr]  # `*`: always
                         if q == start + h or chunk[q : q + t] != tail:
