@@ -63,6 +63,7 @@ MODULES = (
     "proxy.observe.ui.observer",
     "proxy.observe.upstream_stats",
     "proxy.server.raw_cycle",
+    "proxy.server.request_head",
     "proxy.transport.h1_client",
     "proxy.transport.h1_connection",
     "proxy.transport.h1_headers",

@@ -60,10 +60,11 @@ class EdgeProtocol(RawRoutesProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         limits = getattr(getattr(self.app, "settings", None), "server", None)
-        self.limits = limits if isinstance(limits, ServerSettings) else ServerSettings()
+        self.limits = limits = limits if isinstance(limits, ServerSettings) else ServerSettings()
+        self.head.max_headers = limits.max_headers  # checked by the parser's callbacks (RequestHead)
+        self.head.max_line_bytes = limits.max_header_line_bytes
         self._in_head = True  # until the first request's head is complete
         self._head_seen = 0
-        self._headers_seen = 0
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_began = 0.0  # loop.time() when the current head's first byte came
         self._write_timer: asyncio.TimerHandle | None = None
@@ -167,37 +168,12 @@ class EdgeProtocol(RawRoutesProtocol):
     def _too_large(self, message: str) -> None:
         self._refuse(431, message, "request_header_fields_too_large")
 
-    # A callback's own exception reaches uvicorn's data_received as a parser error, answered 400;
-    # so a limit's refusal (431) is sent from the callback itself, and that 400 is dropped below.
     def on_message_begin(self) -> None:
         super().on_message_begin()
         if not self._in_head:  # a keep-alive connection's next request: its own head, its own deadline
             self._in_head = True
             self._head_seen = 0
             self._head_began = self.loop.time()  # the deadline is armed if the read ends in the head
-        self._headers_seen = 0
-
-    def on_url(self, url: bytes) -> None:
-        super().on_url(url)
-        if len(self.url) > self.limits.max_header_line_bytes:
-            self._refuse_in_callback(
-                f"the request line is longer than {self.limits.max_header_line_bytes} bytes"
-            )
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers_seen += 1
-        limits = self.limits
-        if self._headers_seen > limits.max_headers:
-            self._refuse_in_callback(f"the request has more than {limits.max_headers} headers")
-        if len(name) + len(value) > limits.max_header_line_bytes:
-            self._refuse_in_callback(f"a header line is longer than {limits.max_header_line_bytes} bytes")
-        # uvicorn's on_header, written out rather than called (a frame less for every header of
-        # every request; tests/test_edge.py fails should uvicorn's change).
-        name = name.lower()
-        value = value.rstrip(b" \t")  # llhttp keeps trailing whitespace, which RFC 9110 excludes
-        if name == b"expect" and value.lower() == b"100-continue":
-            self.expect_100_continue = True
-        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -205,7 +181,10 @@ class EdgeProtocol(RawRoutesProtocol):
         renew_date(self.server_state, self.config)  # before a cycle takes the default headers
         super().on_headers_complete()
 
-    def _refuse_in_callback(self, message: str) -> None:
+    # A callback's own exception reaches uvicorn's data_received as a parser error, answered 400;
+    # so a limit's refusal (431) is sent from the callback itself, and that 400 is dropped below.
+    def refuse_in_callback(self, message: str) -> None:
+        """A limit's refusal from a parser callback (RequestHead's): 431, and llhttp stopped."""
         self._too_large(message)
         raise _HeadTooLarge(message)
 

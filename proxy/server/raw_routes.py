@@ -23,6 +23,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from proxy.control.dispatch import Dispatch, forwarded
 from proxy.server.raw_cycle import RawCycle
+from proxy.server.request_head import RequestHead
 
 
 class RawRoutesProtocol(HttpToolsProtocol):
@@ -35,6 +36,13 @@ class RawRoutesProtocol(HttpToolsProtocol):
         # The cycle a piped relay writes to (RawCycle.attach): not always `cycle`, which a
         # pipelined request's takes over while this one's answer is still streaming.
         self.relayed: RawCycle | None = None
+        # llhttp's callbacks go to a native object (proxy/server/request_head.py), which hands a raw
+        # cycle its body and calls this protocol back where uvicorn's state is made or read; the
+        # parser is otherwise the one uvicorn's __init__ makes (tests/test_edge.py fails should
+        # that change).
+        self.head = RequestHead(self)
+        self.parser = httptools.HttpRequestParser(self.head)
+        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
 
     def on_headers_complete(self) -> None:
         dispatch = self.dispatch
@@ -86,20 +94,6 @@ class RawRoutesProtocol(HttpToolsProtocol):
             self._start_raw(cycle)
         else:
             super()._start_asgi_task(cycle, app)
-
-    def on_body(self, body: bytes) -> None:
-        cycle: Any = self.cycle
-        if type(cycle) is RawCycle:
-            cycle.body_received(body)
-        else:
-            super().on_body(body)
-
-    def on_message_complete(self) -> None:
-        cycle: Any = self.cycle
-        if type(cycle) is RawCycle:
-            cycle.body_complete()
-        else:
-            super().on_message_complete()
 
     def pause_writing(self) -> None:
         super().pause_writing()

@@ -50,13 +50,13 @@ def checkpoints() -> tuple[list[Checkpoint], list[Checkpoint]]:
     from proxy.control import dispatch
     from proxy.core import hooks, sse
     from proxy.core.forward import attempts, forwarder
-    from proxy.server import edge, raw_cycle, raw_routes
+    from proxy.server import edge, raw_cycle, raw_routes, request_head
     from proxy.transport import h1_client, h1_connection
 
     way_in = [
         (edge.EdgeProtocol, "on_headers_complete", "hc"),
         (raw_routes.RawRoutesProtocol, "_start_raw", "start"),
-        (edge.EdgeProtocol, "on_message_complete", "mc"),
+        (request_head.RequestHead, "on_message_complete", "mc"),
         (raw_cycle.RawCycle, "run", "run0"),
         (dispatch.Dispatch, "__call__", "task"),
         (forwarder.Forwarder, "handle", "handle"),
