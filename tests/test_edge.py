@@ -20,6 +20,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 
 from proxy.app import create_app
 from proxy.server.edge import EdgeProtocol
+from proxy.server.raw_routes import RawRoutesProtocol
 from proxy.settings import AuthSettings, Settings
 from proxy.tools.fake_upstream import FakeUpstream
 from tests.conftest import CHAT, RecordingObserver, make_settings, serve_in_thread, wait_until
@@ -342,6 +343,19 @@ _UVICORN_CODE = {
     (RequestResponseCycle, "run_asgi"): "0f33f2449a444bc2",
     (flow_control.FlowControl, "__init__"): "0152d94a040758b5",
 }
+
+
+def test_the_parser_is_built_as_uvicorns_own_is() -> None:
+    """RawRoutesProtocol replaces the parser uvicorn's __init__ builds with one whose callbacks go to
+    a RequestHead (proxy/server/request_head.py): with the same options. Should uvicorn build its
+    parser otherwise (a new leniency, a new argument), this fails: carry the change over."""
+    init = inspect.getsource(HttpToolsProtocol.__init__)
+    assert init.count("httptools.HttpRequestParser(self)") == 1
+    assert init.count("self.parser.") == 1  # the one option below, and nothing else set on it
+    assert "self.parser.set_dangerous_leniencies(lenient_data_after_close=True)" in init
+    ours = inspect.getsource(RawRoutesProtocol.__init__)
+    assert "httptools.HttpRequestParser(self.head)" in ours
+    assert "self.parser.set_dangerous_leniencies(lenient_data_after_close=True)" in ours
 
 
 def test_the_uvicorn_code_the_raw_cycle_mirrors_is_unchanged() -> None:

@@ -2,7 +2,7 @@
 
 httptools calls its protocol's `on_*` methods by name for each part of a request it parses: the
 message's begin, the URL, each header, the head's end, each piece of body, the message's end. The
-server's protocol (proxy/server/raw_routes.py, protocol.py) is uvicorn's subclassed, a Python class,
+server's protocol (proxy/server/raw_routes.py, edge.py) is uvicorn's subclassed, a Python class,
 and each of those calls into it ran as Python: about 3,400 instructions a header with the edge's
 checks (callgrind, `scripts/perf/instructions.py`), seven to ten headers a request. So its parser
 is built on a `RequestHead` instead, which keeps the URL, counts the headers against the edge's
