@@ -22,9 +22,7 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,8 @@ import uvloop
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from stack_floor_run import Relay  # noqa: E402  # (this script's folder is on sys.path when it runs)
 
 from proxy.tools.bench import processes as P  # noqa: E402
 from proxy.tools.bench.nginx import Nginx, find_nginx  # noqa: E402
@@ -111,27 +111,6 @@ class Client(asyncio.Protocol):
         return (marks["up_in"] - marks["cl_out"]) / 1e3, (marks["cl_in"] - marks["up_out"]) / 1e3
 
 
-class FloorRelay:
-    """stack_floor.py's uvicorn-proto relay on core 1."""
-
-    def __init__(self, upstream_port: int) -> None:
-        port_file = Path(tempfile.mkdtemp()) / "port"
-        script = str(ROOT / "scripts/perf/stack_floor.py")
-        cmd = [sys.executable, script, "uvicorn-proto", str(upstream_port), str(port_file)]
-        self.proc = subprocess.Popen(cmd)
-        P.pin_child(self.proc.pid, 1)
-        deadline = time.monotonic() + 20
-        while not (port_file.exists() and port_file.read_text()):
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                sys.exit("the uvicorn-proto relay did not start")
-            time.sleep(0.1)
-        self.port = int(port_file.read_text())
-
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
 def _q(values: list[float], f: float) -> float:
     s = sorted(values)
     return s[int(f * (len(s) - 1))]
@@ -154,7 +133,7 @@ async def main() -> None:
             started.append(nginx)
             await asyncio.to_thread(nginx.wait_ready)  # (this loop serves the upstream meanwhile)
             targets["nginx"] = (nginx.port, nginx)
-        floor = FloorRelay(up_port)
+        floor = Relay("uvicorn-proto", up_port)  # on core 1, as the targets
         started.append(floor)
         targets["floor (uvicorn-proto)"] = (floor.port, floor)
         for spec in sys.argv[3:] or ["infertap"]:
