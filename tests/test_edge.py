@@ -316,6 +316,16 @@ def test_the_uvicorn_internals_the_edge_builds_on() -> None:
         "self.access_log",
         "self.access_logger",
         "self.logger",
+        # Read or set by RequestHead (proxy/server/request_head.py).
+        "self.timeout_keep_alive_task",
+        "self.scope",
+        "self.asgi_version",
+        "self.app_state",
+        "self.server",
+        "self.client",
+        "self.scheme",
+        "self.config",
+        "self.headers",
     ):
         assert attribute in source, attribute
     for name in ("HEADER_RE", "HEADER_VALUE_RE", "STATUS_LINE"):
@@ -326,11 +336,16 @@ def test_the_uvicorn_internals_the_edge_builds_on() -> None:
 # What proxy/server/raw_cycle.py re-implements for the proxied routes (uvicorn's cycle: its head
 # and body writing, its receive, its ends for a failing app) and the protocol code it shares a
 # connection with (pipelining, keep-alive, shutdown). Any change to these, even in a patch release,
-# fails here: compare the new source with raw_cycle.py and raw_routes.py, carry the change over,
-# then record the new digests.
+# fails here: compare the new source with raw_cycle.py, raw_routes.py and request_head.py, carry
+# the change over, then record the new digests.
 _UVICORN_CODE = {
+    # Written out in proxy/server/request_head.py (RequestHead's data_received, feed, on_*) and
+    # raw_routes.py (feed_failed).
+    (HttpToolsProtocol, "data_received"): "010a7ae59a5d3b1a",
+    (HttpToolsProtocol, "_unset_keepalive_if_required"): "00a6a4e47214e68e",
     (HttpToolsProtocol, "on_message_begin"): "96d377fdc7c2baef",
-    (HttpToolsProtocol, "on_header"): "1e86ebb6cea0458c",  # written out in RequestHead.on_header
+    (HttpToolsProtocol, "on_url"): "37be44e962b04ca8",
+    (HttpToolsProtocol, "on_header"): "1e86ebb6cea0458c",
     (HttpToolsProtocol, "on_headers_complete"): "1ea8589acfad92d8",
     (HttpToolsProtocol, "on_body"): "dba9c32aeba35b6a",
     (HttpToolsProtocol, "on_message_complete"): "1fbad42dc31fc01f",

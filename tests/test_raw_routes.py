@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,7 +23,14 @@ from proxy.app import create_app
 from proxy.server.raw_cycle import framed
 from proxy.settings import AuthSettings
 from proxy.tools.fake_upstream import FakeUpstream
-from tests.conftest import CHAT, RecordingObserver, make_settings, serve_in_thread, wait_until
+from tests.conftest import (
+    CHAT,
+    RecordingObserver,
+    make_settings,
+    serve_in_thread,
+    server_in_thread,
+    wait_until,
+)
 
 KEYS_ENV = "INFERTAP_TEST_RAW_KEYS"
 KEY = b"sk-raw-test"
@@ -358,3 +366,42 @@ def test_the_byte_tables_refuse_what_uvicorns_patterns_find(data: bytes) -> None
 
     assert _any_of(data, _BAD_NAME) == (httptools_impl.HEADER_RE.search(data) is not None)
     assert _any_of(data, _BAD_VALUE) == (httptools_impl.HEADER_VALUE_RE.search(data) is not None)
+
+
+def test_a_kept_connections_next_request_outlives_the_keep_alive_timeout(
+    fake: tuple[FakeUpstream, str],
+) -> None:
+    """uvicorn arms a timer when an answer completes (`timeout_keep_alive`), and the connection's
+    next read cancels it (its `_unset_keepalive_if_required`, which RequestHead.feed writes out).
+    Left armed, it would close the connection under the next request's answer: here a stream held
+    at the fake upstream's gate until the timer would have fired."""
+    upstream, url = fake
+    settings = make_settings(("fake", url))
+    settings.auth = AuthSettings(keys_env=KEYS_ENV)
+    keep = 1.0  # long enough for the second request to come before it, on a slow machine too
+    config = uvicorn.Config(
+        create_app(settings),
+        host="127.0.0.1",
+        port=0,
+        log_level="warning",
+        loop="asyncio",
+        http="proxy.server.edge:EdgeProtocol",
+        timeout_keep_alive=keep,
+    )
+    headers = {"authorization": "Bearer " + KEY.decode()}
+    with (
+        server_in_thread(config) as (_, _, base),
+        httpx.Client(base_url=base, headers=headers, timeout=30) as c,
+    ):
+        assert c.post("/v1/chat/completions", json=CHAT).status_code == 200
+        answered = time.monotonic()
+        stream = {**CHAT, "stream": True}
+        held = {"x-fake-gate": "kept-alive", "x-fake-events": "3"}
+        with c.stream("POST", "/v1/chat/completions", json=stream, headers=held) as r:
+            lines = r.iter_lines()
+            assert any('"content"' in line for line in lines)  # the first content event: at the gate
+            wait_until(lambda: time.monotonic() > answered + 2 * keep, 10, "the keep-alive timeout to pass")
+            upstream.open_gate("kept-alive")
+            rest = list(lines)
+        assert "data: [DONE]" in rest, rest
+        assert len(upstream.requests) == 2

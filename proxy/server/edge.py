@@ -21,8 +21,10 @@ everything else through uvicorn's cycle and ASGI.
 
 uvicorn runs this class as `Config(http="proxy.server.edge:EdgeProtocol")` (an importable name, so
 that `--workers N` can start it in each worker); it reads the limits from the application's settings
-at each connection. It builds on uvicorn's internals (pinned in pyproject.toml); tests/test_edge.py
-checks the ones it relies on, so an upgrade that changes them fails loudly.
+at each connection. The head's limits and deadline are checked, for every read, by the
+connection's RequestHead (proxy/server/request_head.py, compiled), which calls back here to refuse.
+It builds on uvicorn's internals (pinned in pyproject.toml); tests/test_edge.py checks the ones it
+relies on, so an upgrade that changes them fails loudly.
 """
 
 from __future__ import annotations
@@ -61,18 +63,18 @@ class EdgeProtocol(RawRoutesProtocol):
         super().__init__(*args, **kwargs)
         limits = getattr(getattr(self.app, "settings", None), "server", None)
         self.limits = limits = limits if isinstance(limits, ServerSettings) else ServerSettings()
-        self.head.max_headers = limits.max_headers  # checked by the parser's callbacks (RequestHead)
-        self.head.max_line_bytes = limits.max_header_line_bytes
-        self._in_head = True  # until the first request's head is complete
-        self._head_seen = 0
-        self._head_timer: asyncio.TimerHandle | None = None
-        self._head_began = 0.0  # loop.time() when the current head's first byte came
+        # Checked as the head arrives, by the connection's RequestHead (proxy/server/request_head.py).
+        head = self.head
+        head.max_headers = limits.max_headers
+        head.max_line_bytes = limits.max_header_line_bytes
+        head.max_head_bytes = limits.max_head_bytes
+        head.head_timeout = limits.head_timeout
         self._write_timer: asyncio.TimerHandle | None = None
 
     # -- the connection ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._head_began = self.loop.time()
+        self.head.head_began = self.loop.time()
         if len(self.connections) > self.limits.max_connections:
             log.warning(
                 "connection refused: %d connections are open (max_connections)", len(self.connections) - 1
@@ -81,10 +83,10 @@ class EdgeProtocol(RawRoutesProtocol):
                 503, "infertap has too many open connections: try again shortly", "too_many_connections"
             )
             return
-        self._arm_head_timer()
+        self.head.arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_head_timer()
+        self.head.disarm()
         if self._write_timer is not None:
             self._write_timer.cancel()
             self._write_timer = None
@@ -111,81 +113,24 @@ class EdgeProtocol(RawRoutesProtocol):
         self.transport.abort()  # close() would wait for a buffer that never drains
 
     def _refuse(self, status: int, message: str, code: str) -> None:
-        self._disarm_head_timer()
+        self.head.disarm()
         if not self.transport.is_closing():
             self.transport.write(_refusal(status, message, code))
             self.transport.close()
 
-    # -- the head's deadline ----------------------------------------------------------------
-    def _arm_head_timer(self) -> None:
-        self._disarm_head_timer()
-        due = self._head_began + self.limits.head_timeout
-        self._head_timer = self.loop.call_at(due, self._head_timed_out)
+    # -- the head: its deadline and its size (RequestHead counts, and calls these) ----------------
+    def head_timed_out(self) -> None:
+        limit = self.limits.head_timeout
+        self._refuse(408, f"the request head did not arrive within {limit:g} s", "request_timeout")
 
-    def _disarm_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
-        if self._in_head:
-            limit = self.limits.head_timeout
-            self._refuse(408, f"the request head did not arrive within {limit:g} s", "request_timeout")
-
-    # -- the head's size --------------------------------------------------------------------
-    def data_received(self, data: bytes) -> None:
-        self._receive(data)
-        # A keep-alive connection's next head gets its deadline only when this read left it
-        # incomplete: most arrive whole in one read, and a timer armed and cancelled in the same
-        # callback would cost every request for nothing.
-        if self._in_head and self._head_timer is None and not self.transport.is_closing():
-            self._arm_head_timer()
-
-    def _receive(self, data: bytes) -> None:
-        if not self._in_head:
-            super().data_received(data)
-            return
-        room = self.limits.max_head_bytes - self._head_seen
-        if len(data) <= room:
-            self._head_seen += len(data)
-            self._feed(data)
-            return
-        # More than the head may still hold: feed what fits; what follows only if the head ended in it.
-        self._head_seen += room
-        if not self._feed(data[:room]):
-            return
-        if self._in_head:
-            self._too_large(f"the request head is larger than {self.limits.max_head_bytes} bytes")
-            return
-        super().data_received(data[room:])
-
-    def _feed(self, data: bytes) -> bool:
-        """uvicorn's data_received; False when the connection was refused meanwhile."""
-        super().data_received(data)
-        return not self.transport.is_closing()
-
-    def _too_large(self, message: str) -> None:
+    def too_large(self, message: str) -> None:
         self._refuse(431, message, "request_header_fields_too_large")
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        if not self._in_head:  # a keep-alive connection's next request: its own head, its own deadline
-            self._in_head = True
-            self._head_seen = 0
-            self._head_began = self.loop.time()  # the deadline is armed if the read ends in the head
-
-    def on_headers_complete(self) -> None:
-        self._in_head = False
-        self._disarm_head_timer()
-        renew_date(self.server_state, self.config)  # before a cycle takes the default headers
-        super().on_headers_complete()
 
     # A callback's own exception reaches uvicorn's data_received as a parser error, answered 400;
     # so a limit's refusal (431) is sent from the callback itself, and that 400 is dropped below.
     def refuse_in_callback(self, message: str) -> None:
         """A limit's refusal from a parser callback (RequestHead's): 431, and llhttp stopped."""
-        self._too_large(message)
+        self.too_large(message)
         raise _HeadTooLarge(message)
 
     def send_400_response(self, msg: str) -> None:

@@ -1,4 +1,5 @@
-"""The two paths through the server, split where llhttp has parsed a request's head.
+"""The two paths through the server, split where llhttp has parsed a request's head (by the
+connection's RequestHead, proxy/server/request_head.py, which this protocol's reads go to).
 
 A request the raw dispatch sends to the forwarder (a `/v1/*` path but `GET /v1/models`, its 401 and
 405 refusals included: `proxy.control.dispatch.forwarded`) runs in infertap's own cycle
@@ -15,13 +16,12 @@ starts when that one completes), the drain's `shutdown` (a cycle's `keep_alive` 
 
 from __future__ import annotations
 
-import urllib.parse
 from typing import Any
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from proxy.control.dispatch import Dispatch, forwarded
+from proxy.control.dispatch import Dispatch
 from proxy.server.raw_cycle import RawCycle
 from proxy.server.request_head import RequestHead
 
@@ -36,62 +36,37 @@ class RawRoutesProtocol(HttpToolsProtocol):
         # The cycle a piped relay writes to (RawCycle.attach): not always `cycle`, which a
         # pipelined request's takes over while this one's answer is still streaming.
         self.relayed: RawCycle | None = None
-        # llhttp's callbacks go to a native object (proxy/server/request_head.py), which hands a raw
-        # cycle its body and calls this protocol back where uvicorn's state is made or read; the
-        # parser is otherwise the one uvicorn's __init__ makes (tests/test_edge.py fails should
-        # that change).
-        self.head = RequestHead(self)
+        # A read and llhttp's callbacks go to a native object (proxy/server/request_head.py), which
+        # does what this protocol's Python methods did: the read's handling, uvicorn's scope, the
+        # head's limits, the split between the two paths, a raw cycle's body. The transport calls
+        # its data_received directly (uvloop looks the method up once, at the connection's start).
+        # The parser is otherwise the one uvicorn's __init__ makes (tests/test_edge.py fails
+        # should that change).
+        self.head = RequestHead(self, self.dispatch)
         self.parser = httptools.HttpRequestParser(self.head)
         self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        self.head.parser = self.parser
+        self.data_received = self.head.data_received  # type: ignore[method-assign]
 
-    def on_headers_complete(self) -> None:
-        dispatch = self.dispatch
-        parser = self.parser
-        if dispatch is None or self.limit_concurrency is not None or parser.should_upgrade():
-            super().on_headers_complete()
+    def data_received(self, data: bytes) -> None:
+        self.head.data_received(data)
+
+    def feed_failed(self, exc: Exception) -> None:
+        """uvicorn's data_received's answers to a parser error and to an upgrade (RequestHead.feed
+        writes out the rest of it)."""
+        if isinstance(exc, httptools.HttpParserUpgrade):
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
             return
-        method = parser.get_method().decode("ascii")
-        parsed_url = httptools.parse_url(self.url)
-        raw_path = parsed_url.path
-        path = raw_path.decode("ascii")
-        if "%" in path:
-            path = urllib.parse.unquote(path)
-        full_path = self.root_path + path
-        if not forwarded(method, full_path):
-            super().on_headers_complete()
-            return
-        scope = self.scope
-        http_version = parser.get_http_version()
-        scope["method"] = method
-        if http_version != "1.1":
-            scope["http_version"] = http_version
-        scope["path"] = full_path
-        scope["raw_path"] = self.root_path.encode("ascii") + raw_path
-        scope["query_string"] = parsed_url.query or b""
-        keep_alive = http_version != "1.0" and parser.should_keep_alive()
-        existing = self.cycle
-        cycle = RawCycle(self, scope, keep_alive, self.expect_100_continue)
-        self.cycle = cycle  # type: ignore[assignment]
-        if existing is None or existing.response_complete:
-            self._start_raw(cycle)
-        else:  # pipelined: waits for the answer before it, as uvicorn's own do
-            self.flow.pause_reading()
-            self.pipeline.appendleft((cycle, dispatch))  # type: ignore[arg-type]
-
-    def _start_raw(self, cycle: RawCycle) -> None:
-        assert self.dispatch is not None
-        if self.config.reset_contextvars:
-            import contextvars
-
-            task = self.loop.create_task(cycle.run(self.dispatch), context=contextvars.Context())
-        else:
-            task = self.loop.create_task(cycle.run(self.dispatch))
-        task.add_done_callback(self.tasks.discard)
-        self.tasks.add(task)
+        msg = "Invalid HTTP request received."
+        self.logger.warning(msg)
+        self.send_400_response(msg)
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
-        if type(cycle) is RawCycle:
-            self._start_raw(cycle)
+        if type(cycle) is RawCycle:  # a pipelined raw cycle, started when the answer before it is done
+            self.head.start(cycle)
         else:
             super()._start_asgi_task(cycle, app)
 

@@ -50,12 +50,12 @@ def checkpoints() -> tuple[list[Checkpoint], list[Checkpoint]]:
     from proxy.control import dispatch
     from proxy.core import hooks, sse
     from proxy.core.forward import attempts, forwarder
-    from proxy.server import edge, raw_cycle, raw_routes, request_head
+    from proxy.server import raw_cycle, request_head
     from proxy.transport import h1_client, h1_connection
 
     way_in = [
-        (edge.EdgeProtocol, "on_headers_complete", "hc"),
-        (raw_routes.RawRoutesProtocol, "_start_raw", "start"),
+        (request_head.RequestHead, "on_headers_complete", "hc"),
+        (request_head.RequestHead, "start", "start"),
         (request_head.RequestHead, "on_message_complete", "mc"),
         (raw_cycle.RawCycle, "run", "run0"),
         (dispatch.Dispatch, "__call__", "task"),
@@ -79,7 +79,7 @@ def checkpoints() -> tuple[list[Checkpoint], list[Checkpoint]]:
 
 def _probe(out: str) -> None:
     """Patches the checkpoints onto the tree on sys.path; a line per request goes to `out`."""
-    from proxy.server import edge, raw_cycle
+    from proxy.server import raw_cycle, request_head
     from proxy.transport import h1_connection
 
     way_in, way_back = checkpoints()
@@ -108,7 +108,8 @@ def _probe(out: str) -> None:
 
             setattr(owner, name, marked)
 
-    received = edge.EdgeProtocol.data_received
+    # A connection's reads go to its RequestHead's data_received (RawRoutesProtocol.__init__).
+    received = request_head.RequestHead.data_received
 
     def data_received(self: Any, data: bytes) -> None:
         if data[:5] == b"POST ":
@@ -116,7 +117,7 @@ def _probe(out: str) -> None:
             marks[:] = [("in", clock())]
         received(self, data)
 
-    edge.EdgeProtocol.data_received = data_received  # type: ignore[method-assign]
+    request_head.RequestHead.data_received = data_received  # type: ignore[method-assign]
     for owner, name, label in way_in:
         patch(owner, name, label, marks)
     upstream_read = h1_connection.H1Connection.data_received
