@@ -31,8 +31,8 @@ GROUP = "proxy.native"
 # The request's and the stream's way through infertap (docs/architecture.md): the raw cycle,
 # dispatch, the forwarder, the httptools client, the SSE scanner and the per-request observers.
 # Not here: the edge (edge.py, raw_routes.py: compiled, it counted no fewer instructions, and
-# tests/test_edge.py reads its methods' signatures, which a compiled method has none of; llhttp's
-# callbacks go to request_head.py's native class instead); whatever
+# tests/test_edge.py reads its methods' signatures, which a compiled method has none of; a
+# connection's reads and llhttp's callbacks go to request_head.py's native class instead); whatever
 # runs once (settings, the app). mypyc compiles no async generator: these modules' async iterators
 # are classes.
 MODULES = (

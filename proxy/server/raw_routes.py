@@ -29,10 +29,6 @@ from proxy.server.request_head import RequestHead
 class RawRoutesProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # The app as infertap builds it (no middleware around it: proxy_headers is off, the log
-        # level above trace); anything else is served through ASGI alone.
-        dispatch = getattr(self.app, "dispatch", None)
-        self.dispatch = dispatch if isinstance(dispatch, Dispatch) else None
         # The cycle a piped relay writes to (RawCycle.attach): not always `cycle`, which a
         # pipelined request's takes over while this one's answer is still streaming.
         self.relayed: RawCycle | None = None
@@ -41,8 +37,11 @@ class RawRoutesProtocol(HttpToolsProtocol):
         # head's limits, the split between the two paths, a raw cycle's body. The transport calls
         # its data_received directly (uvloop looks the method up once, at the connection's start).
         # The parser is otherwise the one uvicorn's __init__ makes (tests/test_edge.py fails
-        # should that change).
-        self.head = RequestHead(self, self.dispatch)
+        # should that change). The proxied routes are served there for the app as infertap builds
+        # it (no middleware around it: proxy_headers is off, the log level above trace); anything
+        # else is served through ASGI alone.
+        dispatch = getattr(self.app, "dispatch", None)
+        self.head = RequestHead(self, dispatch if isinstance(dispatch, Dispatch) else None)
         self.parser = httptools.HttpRequestParser(self.head)
         self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
         self.head.parser = self.parser

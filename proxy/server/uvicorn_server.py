@@ -6,9 +6,9 @@ uvicorn's main loop sleeps 0.1 s at a time, to renew the `Date` header once a se
 microseconds of CPU (the loop's timer, the task, cold caches): infertap idle cost 2.1 ms of CPU a
 second (0.3 ms now), a sixth of the CPU `infertap bench` counted for a paced stream one at a time.
 Here the `Date` header is renewed by the request that finds it a second old (`renew_date`, called
-by the edge as each request's head is complete and before a 400), and the main loop is woken at
-once when `should_exit` is set, whoever sets it (uvicorn's signal handler, the drain, a test): a
-shutdown starts as soon as it did.
+as a request's head is complete, by a connection's RequestHead once a second, and before a 400),
+and the main loop is woken at once when `should_exit` is set, whoever sets it (uvicorn's signal
+handler, the drain, a test): a shutdown starts as soon as it did.
 
 Built on uvicorn's `main_loop`/`on_tick` and its `ServerState.default_headers` (pinned:
 pyproject.toml; tests/test_uvicorn_server.py fails should they change).
